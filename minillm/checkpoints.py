@@ -1,0 +1,234 @@
+"""Loading and saving checkpoints in Hugging Face's format (chapter 00).
+
+    minillm.load("path/to/folder")            # any local Llama / Mistral / Qwen2 / Qwen3 folder
+    minillm.load(minillm.DEFAULT_MODEL)       # a model shipped inside the package, by name
+    minillm.from_transformers(hf_model)       # an in-memory `transformers` model
+    minillm.save(model, "folder", tokenizer)  # a folder `transformers` can load too
+
+A Hugging Face folder holds `config.json` (the architecture), the weights as
+`model.safetensors` or as shards listed in `model.safetensors.index.json`, and usually
+`tokenizer.json`. minillm reads only safetensors: a pickled `.bin` file can run code when loaded.
+minillm never downloads anything: fetch a checkpoint yourself and pass its folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minillm.config import ConfigError, ModelConfig
+from minillm.model import Transformer
+from minillm.tokenizer import Tokenizer
+
+SHIPPED_MODELS_DIR = Path(__file__).parent / "models"
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message says what is wrong and what to do."""
+
+
+def shipped_models() -> list[str]:
+    """Names of the models that ship inside the package."""
+    if not SHIPPED_MODELS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHIPPED_MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, checkpoint_dtype: Any = None) -> torch.dtype:
+    """The dtype to load in. None: fp32 on a CPU, the checkpoint's own (or bf16) on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(checkpoint_dtype), torch.bfloat16)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def find_model_folder(name_or_path: str | Path) -> Path:
+    """A local folder, or the folder of a shipped model of that name."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if str(name_or_path) in shipped_models():
+        return SHIPPED_MODELS_DIR / str(name_or_path)
+    shipped = ", ".join(shipped_models()) or "none yet"
+    hint = " (it is a file: pass the folder that holds config.json)" if path.is_file() else ""
+    raise FileNotFoundError(
+        f"{name_or_path!s}: no such folder{hint}, and no shipped model of that name "
+        f"(shipped: {shipped}). minillm does not download: fetch the checkpoint yourself, "
+        "e.g. `huggingface-cli download ORG/NAME --local-dir DIR`, and pass DIR."
+    )
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's `model.safetensors` or its sharded index, by name."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{folder}: the index lists shard(s) {missing} that are not in the folder; "
+                "download every shard."
+            )
+    else:
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        extra = (
+            f" It has {pickled}: minillm does not read pickled weights (loading them can run code); "
+            "convert them to safetensors first."
+            if pickled else ""
+        )
+        raise CheckpointError(
+            f"{folder}: no model.safetensors or model.safetensors.index.json.{extra}"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                    tensors[name] = st.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for broken files
+            raise CheckpointError(
+                f"{f}: cannot read it as safetensors ({e}); the file is truncated or corrupt, "
+                "download it again."
+            ) from e
+    return tensors
+
+
+def build_model(
+    config: ModelConfig,
+    hf_tensors: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Transformer:
+    """A `Transformer` holding the given Hugging Face-named tensors, after checking every one.
+
+    Names map by dropping the `model.` prefix (`model.layers.0.mlp.up_proj.weight` ->
+    `layers.0.mlp.up_proj.weight`); `lm_head.weight` is absent when embeddings are tied.
+    """
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    tensors = {name.removeprefix("model."): t for name, t in hf_tensors.items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"the checkpoint has tensors this config does not use: {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}; config.json does not match the weights."
+        )
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:5]}; "
+            "the download is incomplete or config.json belongs to another model."
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json implies "
+                f"{shape}; config.json does not match the weights."
+            )
+
+    if config.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    model.load_state_dict(tensors)  # copies, casting to the model's dtype
+    return model.eval()
+
+
+def load(
+    name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+) -> tuple[Transformer, Tokenizer | None]:
+    """Load a model and its tokenizer from a local Hugging Face folder or a shipped model name.
+
+    Args:
+        name_or_path: a folder with config.json + safetensors, or a name from `shipped_models()`.
+        device: "cpu", "cuda", ...
+        dtype: torch dtype or its name; None = fp32 on CPU, the checkpoint's dtype on GPU.
+
+    Returns:
+        (model in eval mode, tokenizer or None when the folder has no tokenizer.json).
+    """
+    folder = find_model_folder(name_or_path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder}: no config.json; this is not a Hugging Face model folder.")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e}).") from e
+    config = ModelConfig.from_hf(hf_config)
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():  # the eos list of chat models often lives here
+        eos = json.loads(generation_file.read_text()).get("eos_token_id")
+        if eos is not None:
+            config.eos_token_id = eos
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device, hf_config.get("dtype") or hf_config.get("torch_dtype"))
+    model = build_model(config, read_safetensors(folder), device, dtype)
+
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(folder / "tokenizer.json", config.bos_token_id, config.eos_token_ids)
+    return model, tokenizer
+
+
+def from_transformers(hf_model: torch.nn.Module) -> Transformer:
+    """Convert an in-memory `transformers` causal LM (Llama, Mistral, Qwen2, Qwen3) to minillm.
+
+    The result sits on the same device, in the same dtype, with copies of the weights.
+    """
+    hf_config = hf_model.config.to_dict()
+    hf_config["architectures"] = [type(hf_model).__name__]
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ConfigError as e:
+        raise CheckpointError(f"cannot convert {type(hf_model).__name__}: {e}") from e
+    weight = hf_model.get_input_embeddings().weight
+    return build_model(config, hf_model.state_dict(), weight.device, weight.dtype)
+
+
+def save(model: Transformer, folder: str | Path, tokenizer: Tokenizer | None = None) -> Path:
+    """Write `model` (and `tokenizer`) as a Hugging Face folder that `transformers` loads too."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if config.tie_embeddings:
+                continue  # shared with the embedding: stored once
+            tensors[name] = t.contiguous()
+        else:
+            tensors["model." + name] = t.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(folder / "tokenizer.json")
+    return folder

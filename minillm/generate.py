@@ -1,0 +1,238 @@
+"""The generation loop: prefill once, then decode one token at a time (chapters 01-02).
+
+    prompt ids ─ prefill ─► logits of the last position ─ sample ─► token 1
+    token t    ─ decode_one_token (reads the KV cache) ─► logits ─ sample ─► token t+1
+    ... until EOS, a stop string, or max_tokens.
+
+`prefill` and `decode_one_token` are separate named functions (the hot paths) so they can be
+timed, profiled and compiled on their own. `generate_no_cache` is the reference loop that
+recomputes the whole sequence at every step; chapter 02 measures the two against each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.kv_cache import KVCache
+from minillm.model import Transformer
+from minillm.sampling import SamplingParams, sample
+from minillm.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class StreamChunk:
+    """One generated token, as `generate_stream` yields it.
+
+    `text` is the text this token completes ('' when it ends mid-character, when the text is
+    held back because it may begin a stop string, or without a tokenizer). `finish_reason` is
+    set on the last chunk only: "stop" (EOS or a stop string) or "length" (max_tokens).
+    """
+
+    token_id: int
+    text: str
+    time_s: float  # seconds since the call started
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """What `generate` returns: the generated ids and text, why it stopped, and its timing."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only, including an EOS or stop-string tokens
+    text: str | None  # generated text, stop string excluded (None without a tokenizer)
+    finish_reason: str  # "stop" or "length"
+    token_times_s: list[float] = field(repr=False)  # when each token was ready, since the call began
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: the prefill plus the first sample."""
+        return self.token_times_s[0]
+
+    @property
+    def inter_token_latencies_s(self) -> list[float]:
+        """Seconds between consecutive tokens (one decode step each)."""
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (mean decode step); nan with one token."""
+        itl = self.inter_token_latencies_s
+        return sum(itl) / len(itl) if itl else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first, per second of decoding."""
+        return 1.0 / self.tpot_s if self.inter_token_latencies_s else float("nan")
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """Run the prompt tokens [B, T] through the model; logits of the last position [B, vocab]."""
+    return model(tokens, cache=cache, last_only=True)[:, -1]
+
+
+@torch.inference_mode()
+def decode_one_token(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode step: token [B, 1] attends to the cache; logits [B, vocab]."""
+    return model(token, cache=cache)[:, -1]
+
+
+def prepare_prompt(
+    model: Transformer, prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer | None
+) -> list[int]:
+    """Prompt -> ids, checked: not empty, ids in the vocabulary, and room for max_tokens."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: pass tokenizer=..., or pass token ids.")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token.")
+    vocab = model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+    limit = model.config.max_seq_len
+    if len(ids) + params.max_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{len(ids) + params.max_tokens} exceeds the model's context of {limit} tokens; "
+            "shorten the prompt or lower max_tokens."
+        )
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass a tokenizer, or drop stop=.")
+    return ids
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, across token boundaries.
+
+    Text that might be the start of a stop string is held back until the next tokens show
+    whether the stop string completes (then it is cut, with everything after) or not (then it
+    is released).
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add new text; return (text safe to emit now, whether a stop string was found)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0  # the longest tail of `pending` that some stop string begins with
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """Release whatever is held back (generation ended for another reason)."""
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate_stream(
+    model: Transformer,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    tokenizer: Tokenizer | None = None,
+    use_cache: bool = True,
+) -> Iterator[StreamChunk]:
+    """Generate for one prompt, yielding each token as soon as it is sampled.
+
+    With `use_cache=False` every step recomputes the whole sequence (the reference loop).
+    """
+    params = params or SamplingParams()
+    start = time.perf_counter()
+    ids = prepare_prompt(model, prompt, params, tokenizer)
+    device = model.device
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+    eos = set() if params.ignore_eos else set(model.config.eos_token_ids)
+    if tokenizer is not None and not params.ignore_eos:
+        eos |= set(tokenizer.eos_token_ids)
+    decoder = IncrementalDecoder(tokenizer, ids) if tokenizer is not None else None
+    stops = StopStringMatcher(params.stop)
+
+    prompt_tensor = torch.tensor([ids], device=device)
+    if use_cache:
+        cache = KVCache(model.config, 1, len(ids) + params.max_tokens, device, model.dtype)
+        logits = prefill(model, prompt_tensor, cache)
+        step: Callable[[torch.Tensor], torch.Tensor] = lambda tok: decode_one_token(model, tok, cache)  # noqa: E731
+    else:
+        sequence = prompt_tensor
+        logits = prefill(model, sequence, None)
+
+        def step(tok: torch.Tensor) -> torch.Tensor:
+            nonlocal sequence
+            sequence = torch.cat([sequence, tok], dim=1)
+            return prefill(model, sequence, None)  # the whole sequence, every step
+
+    for n in range(1, params.max_tokens + 1):
+        token = sample(logits, params, generator)  # [1]
+        token_id = int(token.item())  # waits for the device: the token is really ready
+        text, stopped = "", False
+        if decoder is not None:
+            text, stopped = stops.feed(decoder.push(token_id))
+        finish = None
+        if stopped or token_id in eos:
+            finish = "stop"
+        elif n == params.max_tokens:
+            finish = "length"
+        if finish is not None and not stopped:
+            text += stops.flush()
+        yield StreamChunk(token_id, text, time.perf_counter() - start, finish)
+        if finish is not None:
+            return
+        logits = step(token[:, None])
+
+
+def generate(
+    model: Transformer,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    tokenizer: Tokenizer | None = None,
+    use_cache: bool = True,
+) -> GenerationOutput:
+    """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
+
+    Example:
+        >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
+        >>> out.text, out.finish_reason, out.ttft_s, out.decode_tokens_per_s
+    """
+    params = params or SamplingParams()
+    ids = prepare_prompt(model, prompt, params, tokenizer)
+    chunks = list(generate_stream(model, ids, params, tokenizer, use_cache))
+    return GenerationOutput(
+        prompt_token_ids=ids,
+        token_ids=[c.token_id for c in chunks],
+        text="".join(c.text for c in chunks) if tokenizer is not None else None,
+        finish_reason=chunks[-1].finish_reason or "length",
+        token_times_s=[c.time_s for c in chunks],
+    )
+
+
+def generate_no_cache(
+    model: Transformer,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> GenerationOutput:
+    """The reference loop without a KV cache: each step runs the whole sequence again."""
+    return generate(model, prompt, params, tokenizer, use_cache=False)

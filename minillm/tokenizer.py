@@ -1,0 +1,75 @@
+"""A thin wrapper over a Hugging Face `tokenizer.json` (chapter 00).
+
+Text goes in as a string and comes out as token ids; ids come back as text. Streaming adds one
+subtlety: a byte-level BPE token can hold part of a UTF-8 character, so decoding tokens one at a
+time can produce half a character. `IncrementalDecoder` emits text only once it is complete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """Encode and decode with a `tokenizers` model loaded from a `tokenizer.json` file."""
+
+    def __init__(self, tok: HFTokenizer, bos_token_id: int | None = None, eos_token_ids: list[int] | None = None):
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(eos_token_ids or [])
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, bos_token_id: int | None = None, eos_token_ids: list[int] | None = None
+    ) -> Tokenizer:
+        """Load `tokenizer.json`; special-token ids usually come from the model's config."""
+        return cls(HFTokenizer.from_file(str(path)), bos_token_id, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids. `add_special_tokens` applies the tokenizer's template (e.g. a leading BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Ids -> text, dropping special tokens (BOS, EOS, ...) unless asked to keep them."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (byte-level tokens show bytes as symbols such as 'Ġ')."""
+        return self._tok.id_to_token(token_id)
+
+    def save(self, path: str | Path) -> None:
+        """Write `tokenizer.json`."""
+        self._tok.save(str(path))
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into a stream of complete text pieces.
+
+    Decoding each token alone is wrong twice over: byte-level tokens may split a UTF-8
+    character, and some tokenizers change how a token renders depending on its neighbour. So we
+    decode a short window of recent tokens and emit only the new suffix, holding it back while it
+    ends in the replacement character U+FFFD (an unfinished character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids or [])
+        # Text before `prefix` is final; `read` marks what has been emitted.
+        self.prefix = max(len(self.ids) - 5, 0)
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ('' if it ends mid-character)."""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
