@@ -112,25 +112,90 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its shape.
+
+    Linear weights are stored [out_features, in_features]. `lm_head.weight` is absent when the
+    embeddings are tied (the head reuses `model.embed_tokens.weight`).
+    """
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.dim)}
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.dim,)
+        for name, out, bias in [("q_proj", q, c.qkv_bias), ("k_proj", kv, c.qkv_bias), ("v_proj", kv, c.qkv_bias)]:
+            shapes[p + f"self_attn.{name}.weight"] = (out, c.dim)
+            if bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (c.dim, q)
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c.dim,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        for name, out, inp in [("gate_proj", c.ffn_dim, c.dim), ("up_proj", c.ffn_dim, c.dim),
+                               ("down_proj", c.dim, c.ffn_dim)]:
+            shapes[p + f"mlp.{name}.weight"] = (out, inp)
+            if c.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (out,)
+    shapes["model.norm.weight"] = (c.dim,)
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
+    return shapes
+
+
+# minillm stacks these checkpoint matrices (along the output dimension) into one projection each.
+STACKED = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+           "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+
+
+def to_minillm_names(hf_tensors: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> minillm's state dict: drop `model.`, stack q/k/v and gate/up."""
+    out = {name.removeprefix("model."): t for name, t in hf_tensors.items()}
+    for i in range(n_layers):
+        for stacked, parts in STACKED.items():
+            for kind in ("weight", "bias"):
+                names = [f"layers.{i}.{part}.{kind}" for part in parts]
+                if names[0] in out:
+                    out[f"layers.{i}.{stacked}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def to_checkpoint_names(model: Transformer) -> dict[str, torch.Tensor]:
+    """minillm's state dict -> Hugging Face names: split qkv_proj and gate_up_proj back apart."""
+    c = model.config
+    sizes = {"self_attn.qkv_proj": [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim],
+             "mlp.gate_up_proj": [c.ffn_dim, c.ffn_dim]}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not c.tie_embeddings:  # a tied head is the embedding, stored once
+                out[name] = t.contiguous()
+            continue
+        module, kind = name.rsplit(".", 1)
+        stacked = next((s for s in STACKED if module.endswith(s)), None)
+        if stacked is None:
+            out["model." + name] = t.contiguous()
+            continue
+        prefix = module[: -len(stacked)]
+        for part, piece in zip(STACKED[stacked], t.split(sizes[stacked])):
+            out[f"model.{prefix}{part}.{kind}"] = piece.contiguous()
+    return out
+
+
 def build_model(
     config: ModelConfig,
     hf_tensors: dict[str, torch.Tensor],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Transformer:
-    """A `Transformer` holding the given Hugging Face-named tensors, after checking every one.
-
-    Names map by dropping the `model.` prefix (`model.layers.0.mlp.up_proj.weight` ->
-    `layers.0.mlp.up_proj.weight`); `lm_head.weight` is absent when embeddings are tied.
-    """
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    tensors = {name.removeprefix("model."): t for name, t in hf_tensors.items()}
+    """A `Transformer` holding the given checkpoint tensors, after checking every one of them."""
+    expected = checkpoint_shapes(config)
+    tensors = dict(hf_tensors)
     if config.tie_embeddings:
-        expected.pop("lm_head.weight")
-        tensors.pop("lm_head.weight", None)
-
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(
@@ -150,11 +215,14 @@ def build_model(
                 f"{shape}; config.json does not match the weights."
             )
 
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = to_minillm_names(tensors, config.n_layers)
     if config.tie_embeddings:
-        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        state["lm_head.weight"] = state["embed_tokens.weight"]
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
-    model.load_state_dict(tensors)  # copies, casting to the model's dtype
+    model.load_state_dict(state)  # copies, casting to the model's dtype
     return model.eval()
 
 
@@ -220,15 +288,7 @@ def save(model: Transformer, folder: str | Path, tokenizer: Tokenizer | None = N
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            if config.tie_embeddings:
-                continue  # shared with the embedding: stored once
-            tensors[name] = t.contiguous()
-        else:
-            tensors["model." + name] = t.contiguous()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_checkpoint_names(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(folder / "tokenizer.json")
     return folder

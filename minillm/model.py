@@ -7,9 +7,10 @@
 
 One `forward` serves prefill (many tokens), decode (one token per sequence) and anything
 between: it takes token ids, their positions and an optional cache, and the cache decides where
-keys and values live. Module names follow Hugging Face's (`self_attn.q_proj`, `mlp.gate_proj`,
-...), so a checkpoint's tensor names map onto this model by dropping the `model.` prefix; vLLM
-uses the same names.
+keys and values live. Module names follow vLLM's, which follow Hugging Face's, except that the
+q/k/v projections are stacked into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`:
+one large matmul instead of several small ones, the layout every serving engine uses.
+`minillm.checkpoints` stacks the checkpoint's separate matrices on load and splits them on save.
 """
 
 from __future__ import annotations
@@ -82,21 +83,29 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin each [B, 1, T, head_dim] in `dtype` (angles in fp32)."""
+        """positions [B, T] -> cos, sin each [B, 1, T, head_dim] in `dtype` (angles in fp32).
+
+        Both tables repeat the head_dim/2 angles twice; `sin` carries the rotation's sign,
+        [-sin, +sin], so that `apply_rotary` is two multiplies and an add.
+        """
         angles = positions[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [B, T, head_dim]
-        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [B, T, head_dim]
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x_i, x_{i+d/2}) pair by its angle. x [B, H, T, d], cos/sin [B, 1, T, d].
+    """Rotate each pair (x_i, x_{i+d/2}) by its position's angle. x [B, H, T, d], cos/sin [B, 1, T, d].
 
-    This is the "rotate-half" layout Hugging Face checkpoints use (their q/k weights are
-    permuted to match), not the interleaved layout of the original Llama code.
+        x_i'       = x_i cos - x_{i+d/2} sin
+        x_{i+d/2}' = x_{i+d/2} cos + x_i sin
+
+    Swapping the two halves of x and multiplying by `sin` = [-sin, +sin] gives the second
+    terms. This is the "rotate-half" pairing of Hugging Face checkpoints (their q/k weights are
+    permuted to match), not the interleaved pairs (x_{2i}, x_{2i+1}) of Meta's original code.
     """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -106,10 +115,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.o_bias)
+        # q, k and v projections stacked into one matrix: one matmul reads all three (as in vLLM).
+        # Rows [0, q) make queries, [q, q+kv) keys, [q+kv, q+2kv) values.
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.dim, bias=config.o_bias)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's features, before rotary
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
@@ -126,35 +136,50 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]. `mask` [B, 1, T, S] bool (True = may attend) or None."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim], S = past + T
-        # Each group of n_heads / n_kv_heads query heads reads the same K/V head; SDPA does the
-        # grouping itself (enable_gqa), so K/V are never copied per query head.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads
-        )  # [B, n_heads, T, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out = grouped_query_attention(q, k, v, mask)  # [B, n_heads, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
+
+
+def grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v, where each group of G = H / H_kv query heads shares one K/V head.
+
+    q [B, H, T, d], k and v [B, H_kv, S, d], mask [B, 1, T, S] bool or None -> [B, H, T, d].
+    Query heads h*G .. h*G+G-1 use K/V head h, so we fold each group's G heads into the query
+    axis, [B, H_kv, G*T, d], and attend once per K/V head: K and V are never copied per query head.
+    """
+    B, H, T, d = q.shape
+    G = H // k.shape[1]
+    q = q.reshape(B, k.shape[1], G * T, d)
+    if mask is not None:
+        mask = mask.repeat(1, 1, G, 1)  # row g*T + t is query t of the g-th head in the group
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(B, H, T, d)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up stacked into one matrix."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim] through a [B, T, ffn_dim] hidden layer."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -1,0 +1,62 @@
+# The README's two commands: `make book` and `make test`. Each sets itself up first
+# (a .venv with the project and its extras), idempotently: a second run installs nothing.
+#
+# TORCH names the torch to install when the venv has none. Left empty, a Linux machine without an
+# NVIDIA GPU gets the CPU build (PyTorch's CPU index; if that is unreachable, torch==$(TORCH_CPU_FALLBACK),
+# whose CPU build these project machines keep on disk), and anything else gets "torch>=2.5".
+# CI sets TORCH=torch==2.13.0.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?=
+TORCH_CPU_FALLBACK := 2.13.0
+JOBS   ?= 2
+NOTEBOOKS = $(wildcard chapters/*.ipynb solutions/*.ipynb exercises/*.ipynb)
+
+.PHONY: setup test book lab lint bench clean
+
+setup: $(VENV)/.installed
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already in $(VENV): $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif [ -n "$(TORCH)" ]; then \
+		$(PIP) install "$(TORCH)"; \
+	elif [ "$$(uname -s)" = Linux ] && ! nvidia-smi >/dev/null 2>&1; then \
+		echo "No NVIDIA GPU: installing the CPU build of torch"; \
+		$(PIP) install --retries 1 --timeout 15 torch --index-url https://download.pytorch.org/whl/cpu \
+		|| $(PIP) install "torch==$(TORCH_CPU_FALLBACK)"; \
+	else \
+		$(PIP) install "torch>=2.5"; \
+	fi
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[dev]"
+	@touch $@
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n $(JOBS) --dist loadfile tests $(if $(NOTEBOOKS),--nbval-lax $(NOTEBOOKS))
+
+book: setup
+	@if [ -z "$(wildcard chapters/*.ipynb)" ]; then echo "No chapters written yet: nothing to execute."; \
+	else $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace chapters/*.ipynb; fi
+
+lab: setup
+	$(VENV)/bin/jupyter lab chapters/
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) benchmarks/decode_cpu.py
+
+clean:
+	rm -rf $(VENV) _build .pytest_cache .ruff_cache *.egg-info

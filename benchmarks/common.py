@@ -1,0 +1,73 @@
+"""What every results file records beside its numbers: machine, versions, commit, date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance() -> dict[str, Any]:
+    """Machine, library versions, commit and date, for the header of a results file."""
+    import transformers
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+    if torch.cuda.is_available():
+        info["machine"]["gpu"] = torch.cuda.get_device_name()
+        info["versions"]["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            info["versions"]["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def write_results(name: str, results: dict[str, Any]) -> Path:
+    """Write results/NAME.json with the provenance header; return the path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**provenance(), **results}, indent=2) + "\n")
+    return path

@@ -1,0 +1,88 @@
+"""The `minillm` command line.
+
+    minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
+                     [--device cpu|cuda] PROMPT
+
+Errors print one line (`minillm: error: ...`) and exit with status 1, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minillm.checkpoints import CheckpointError, shipped_models
+from minillm.config import ConfigError
+
+
+def default_model() -> str | None:
+    """The shipped model `generate` uses when --model is not given (None if none ships)."""
+    names = shipped_models()
+    return names[0] if names else None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from minillm.checkpoints import load
+    from minillm.generate import generate_stream
+    from minillm.sampling import SamplingParams
+
+    model_name = args.model or default_model()
+    if model_name is None:
+        raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu.")
+    model, tokenizer = load(model_name, device=args.device)
+    if tokenizer is None:
+        raise CheckpointError(f"{model_name} has no tokenizer.json, so a text prompt cannot be encoded.")
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    n_prompt = len(tokenizer.encode(args.prompt))
+    chunks = []
+    for chunk in generate_stream(model, args.prompt, params, tokenizer):
+        chunks.append(chunk)
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    ttft = chunks[0].time_s
+    decode_s = chunks[-1].time_s - ttft
+    rate = f"{(len(chunks) - 1) / decode_s:.1f}" if len(chunks) > 1 and decode_s > 0 else "n/a"
+    sys.stdout.write("\n")
+    print(
+        f"[prompt {n_prompt} tokens | generated {len(chunks)} tokens ({chunks[-1].finish_reason}) | "
+        f"TTFT {ttft * 1e3:.1f} ms | decode {rate} tok/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="minillm: a small, readable LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT", description="Stream a completion of PROMPT.")
+    gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
+    gen.add_argument("--model", help="a shipped model name or a local Hugging Face folder (default: the shipped model)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"minillm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny tokenizers and random `transformers` checkpoints built offline in the test run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TEXT = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "
+    "Café, naïve, jalapeño, façade — résumé! 東京 and 北京 are cities. Emoji: 🙂 🚀 ✨. "
+) * 4
+
+
+def train_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+    """A byte-level BPE with BOS <s> (prepended by the template) and EOS </s>, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def random_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A small random-initialised `transformers` causal LM of the given family, in eval mode."""
+    import transformers
+
+    kwargs = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    kwargs.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    config = cls[0](**kwargs)
+    model = cls[1](config).eval()
+    # Random init leaves norms at 1 and biases at 0: perturb them so those paths are really tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory, tokenizer_file) -> Path:
+    """A random Llama checkpoint saved by `save_pretrained`, with the tiny tokenizer beside it."""
+    folder = tmp_path_factory.mktemp("llama")
+    random_hf_model("llama").save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    return folder
