@@ -56,7 +56,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) benchmarks/decode_cpu.py
+	$(PY) benchmarks/decode_batch1.py
 
 clean:
 	rm -rf $(VENV) _build .pytest_cache .ruff_cache *.egg-info

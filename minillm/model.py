@@ -165,7 +165,7 @@ def grouped_query_attention(
     if mask is not None:
         mask = mask.repeat(1, 1, G, 1)  # row g*T + t is query t of the g-th head in the group
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.view(B, H, T, d)
+    return out.reshape(B, H, T, d)
 
 
 class MLP(nn.Module):

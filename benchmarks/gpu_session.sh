@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine: the CUDA tests, then the GPU decode benchmark. Results land in $OUT.
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+python3 -m pytest tests/test_model_parity.py tests/test_generate.py -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+python3 benchmarks/decode_batch1.py --device cuda --dtypes bfloat16 --sizes small-12M base-110M llama-1B --repeats 3 \
+    2>&1 | tee "$OUT/decode_gpu.log"
+cp results/decode_batch1_cuda.json "$OUT/" 2>/dev/null || true
