@@ -26,6 +26,9 @@ def cpu_name() -> str:
 
 
 def git_commit() -> str:
+    """The checked-out commit (+"-dirty" with uncommitted changes); $MINILLM_COMMIT where there is no git."""
+    if os.environ.get("MINILLM_COMMIT"):
+        return os.environ["MINILLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One lease of a GPU machine: the CUDA tests, then the GPU decode benchmark. Results land in $OUT.
+# Run as: MINILLM_COMMIT=<short hash> bash benchmarks/gpu_session.sh (the device copy has no git).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

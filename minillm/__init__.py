@@ -1,12 +1,20 @@
 """minillm: a small, readable LLM inference engine, the one every chapter of the book imports.
 
     import minillm
-    model, tokenizer = minillm.load("path/to/hf-folder")
+    model, tokenizer = minillm.load(minillm.DEFAULT_MODEL)   # or any local Hugging Face folder
     out = minillm.generate(model, "Once upon a time", minillm.SamplingParams(max_tokens=32), tokenizer)
     print(out.text)
 """
 
-from minillm.checkpoints import from_transformers, load, save, shipped_models
+from minillm.checkpoints import (
+    DEFAULT_DRAFT,
+    DEFAULT_MODEL,
+    from_transformers,
+    list_models,
+    load,
+    save,
+    shipped_models,
+)
 from minillm.config import ModelConfig
 from minillm.generate import GenerationOutput, StreamChunk, generate, generate_no_cache, generate_stream
 from minillm.kv_cache import KVCache
@@ -17,6 +25,8 @@ from minillm.tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_DRAFT",
+    "DEFAULT_MODEL",
     "GenerationOutput",
     "KVCache",
     "ModelConfig",
@@ -28,6 +38,7 @@ __all__ = [
     "generate",
     "generate_no_cache",
     "generate_stream",
+    "list_models",
     "load",
     "sample",
     "save",

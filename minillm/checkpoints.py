@@ -14,6 +14,7 @@ minillm never downloads anything: fetch a checkpoint yourself and pass its folde
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,25 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message says what is wrong and what to do."""
 
 
+# The models trained by `minillm/train.py` that ship inside the package (see their README cards).
+DEFAULT_MODEL = "shakespeare-11m"  # the target: what chapters generate with
+DEFAULT_DRAFT = "shakespeare-1m"  # its draft, for speculative decoding
+
+
 def shipped_models() -> list[str]:
     """Names of the models that ship inside the package."""
     if not SHIPPED_MODELS_DIR.is_dir():
         return []
     return sorted(p.name for p in SHIPPED_MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def list_models() -> dict[str, int]:
+    """Every shipped model's name with its parameter count (read from its config, nothing loaded)."""
+    sizes = {}
+    for name in shipped_models():
+        config = ModelConfig.from_hf(json.loads((SHIPPED_MODELS_DIR / name / "config.json").read_text()))
+        sizes[name] = sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
+    return sizes
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, checkpoint_dtype: Any = None) -> torch.dtype:

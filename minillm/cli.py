@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minillm.checkpoints import CheckpointError, shipped_models
+from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
 from minillm.config import ConfigError
 
 
 def default_model() -> str | None:
-    """The shipped model `generate` uses when --model is not given (None if none ships)."""
-    names = shipped_models()
-    return names[0] if names else None
+    """The shipped model `generate` uses when --model is not given (None if it is not installed)."""
+    return DEFAULT_MODEL if DEFAULT_MODEL in shipped_models() else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -47,6 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decode_s = chunks[-1].time_s - ttft
     rate = f"{(len(chunks) - 1) / decode_s:.1f}" if len(chunks) > 1 and decode_s > 0 else "n/a"
     sys.stdout.write("\n")
+    sys.stdout.flush()
     print(
         f"[prompt {n_prompt} tokens | generated {len(chunks)} tokens ({chunks[-1].finish_reason}) | "
         f"TTFT {ttft * 1e3:.1f} ms | decode {rate} tok/s]",
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT", description="Stream a completion of PROMPT.")
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", help="a shipped model name or a local Hugging Face folder (default: the shipped model)")
+    gen.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
