@@ -55,6 +55,9 @@ class IncrementalDecoder:
     character, and some tokenizers change how a token renders depending on its neighbour. So we
     decode a short window of recent tokens and emit only the new suffix, holding it back while it
     ends in the replacement character U+FFFD (an unfinished character).
+
+    Known gap (vLLM's detokenizer has it too): if the *prompt* ids end inside a character, the
+    tokens that complete it are not emitted as text. Text prompts always end on whole characters.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:

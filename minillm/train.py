@@ -5,7 +5,8 @@
     python -m minillm.train fit --data DIR --preset draft  --out OUT [--device cuda]
     python -m minillm.train card --data DIR --target OUT_T --draft OUT_D   # measure, write model cards
 
-Everything is seeded: the same data, preset and device give the same weights. Training keeps
+Initialisation and data order are seeded; GPU kernels are not bit-deterministic, so a rerun
+on a GPU lands on close, not identical, weights. Training keeps
 the weights of the step with the lowest validation loss (a small model on a small corpus starts
 to overfit before the schedule ends) and saves them in bf16, in Hugging Face's Llama format.
 """
