@@ -12,7 +12,6 @@ import argparse
 import sys
 
 from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
-from minillm.config import ConfigError
 
 
 def default_model() -> str | None:
@@ -31,14 +30,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if model_name is None:
         raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu.")
+        raise ValueError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu.")
     model, tokenizer = load(model_name, device=args.device)
     if tokenizer is None:
-        raise CheckpointError(f"{model_name} has no tokenizer.json, so a text prompt cannot be encoded.")
+        raise CheckpointError(
+            f"{model_name} has no tokenizer.json, so a text prompt cannot be encoded; "
+            "copy the model's tokenizer.json into the folder."
+        )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    n_prompt = len(tokenizer.encode(args.prompt))
+    prompt_ids = tokenizer.encode(args.prompt)
     chunks = []
-    for chunk in generate_stream(model, args.prompt, params, tokenizer):
+    for chunk in generate_stream(model, prompt_ids, params, tokenizer):
         chunks.append(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -48,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(
-        f"[prompt {n_prompt} tokens | generated {len(chunks)} tokens ({chunks[-1].finish_reason}) | "
+        f"[prompt {len(prompt_ids)} tokens | generated {len(chunks)} tokens ({chunks[-1].finish_reason}) | "
         f"TTFT {ttft * 1e3:.1f} ms | decode {rate} tok/s]",
         file=sys.stderr,
     )
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
         print(f"minillm: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

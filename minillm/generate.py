@@ -12,7 +12,7 @@ recomputes the whole sequence at every step; chapter 02 measures the two against
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -160,13 +160,21 @@ def generate_stream(
     params = params or SamplingParams()
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
+    return _stream(model, ids, params, tokenizer, use_cache, start)
+
+
+def _stream(
+    model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
+    use_cache: bool, start: float,
+) -> Iterator[StreamChunk]:
+    """The loop itself, on prompt ids `prepare_prompt` already checked; times count from `start`."""
     device = model.device
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-    eos = set() if params.ignore_eos else set(model.config.eos_token_ids)
-    if tokenizer is not None and not params.ignore_eos:
-        eos |= set(tokenizer.eos_token_ids)
+    eos = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
+    if params.ignore_eos:
+        eos = set()
     decoder = IncrementalDecoder(tokenizer, ids) if tokenizer is not None else None
     stops = StopStringMatcher(params.stop)
 
@@ -174,7 +182,9 @@ def generate_stream(
     if use_cache:
         cache = KVCache(model.config, 1, len(ids) + params.max_tokens, device, model.dtype)
         logits = prefill(model, prompt_tensor, cache)
-        step: Callable[[torch.Tensor], torch.Tensor] = lambda tok: decode_one_token(model, tok, cache)  # noqa: E731
+
+        def step(tok: torch.Tensor) -> torch.Tensor:
+            return decode_one_token(model, tok, cache)  # one token against the cache
     else:
         sequence = prompt_tensor
         logits = prefill(model, sequence, None)
@@ -217,8 +227,9 @@ def generate(
         >>> out.text, out.finish_reason, out.ttft_s, out.decode_tokens_per_s
     """
     params = params or SamplingParams()
+    start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    chunks = list(generate_stream(model, ids, params, tokenizer, use_cache))
+    chunks = list(_stream(model, ids, params, tokenizer, use_cache, start))
     return GenerationOutput(
         prompt_token_ids=ids,
         token_ids=[c.token_id for c in chunks],

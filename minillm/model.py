@@ -192,7 +192,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache):  # noqa: ANN001 - same arguments as Attention
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; the other arguments pass through to `Attention`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -257,7 +260,10 @@ class Transformer(nn.Module):
             logits [B, T, vocab] (or [B, 1, vocab] with `last_only`), in the model's dtype.
         """
         if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}.")
+            raise ValueError(
+                f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}; "
+                "for one sequence pass tokens[None]."
+            )
         B, T = tokens.shape
         past = cache.seq_len if cache is not None else 0
         if positions is None:
