@@ -5,6 +5,9 @@
 # NVIDIA GPU gets the CPU build (PyTorch's CPU index; if that is unreachable, torch==$(TORCH_CPU_FALLBACK),
 # whose CPU build these project machines keep on disk), and anything else gets "torch>=2.5".
 # CI sets TORCH=torch==2.13.0.
+#
+# `make test` runs the unit tests and, under nbval, every notebook of the chapters book.yml marks
+# written (`python -m minillm.book notebooks` lists them).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +16,6 @@ PIP    := $(PY) -m pip
 TORCH  ?=
 TORCH_CPU_FALLBACK := 2.13.0
 JOBS   ?= 2
-NOTEBOOKS = $(wildcard chapters/*.ipynb solutions/*.ipynb exercises/*.ipynb)
 
 .PHONY: setup test book lab lint bench clean
 
@@ -38,12 +40,12 @@ $(VENV)/.torch: | $(PY)
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,book]"
 	@touch $@
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n $(JOBS) --dist loadfile tests $(if $(NOTEBOOKS),--nbval-lax $(NOTEBOOKS))
+	$(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
 
 book: setup
 	@if [ -z "$(wildcard chapters/*.ipynb)" ]; then echo "No chapters written yet: nothing to execute."; \

@@ -2,6 +2,8 @@
 
     minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
                      [--device cpu|cuda] PROMPT
+    minillm grade NOTEBOOK... [--chapter NN] [--timeout S] [--csv FILE] [--json FILE]
+    minillm book exercises [--check]
 
 Errors print one line (`minillm: error: ...`) and exit with status 1, without a traceback.
 """
@@ -57,6 +59,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_book_exercises(args: argparse.Namespace) -> int:
+    from minillm.book import load_book
+    from minillm.grading.exercises import exercise_text, write_exercises
+
+    if not args.check:
+        for path in write_exercises():
+            print(f"wrote {path.relative_to(load_book().root)}")
+        return 0
+    book, stale = load_book(), []
+    for chapter in book.written():
+        exercise = book.root / chapter.exercise
+        expected = exercise_text(book.root / chapter.solution, chapter.solution)
+        if not exercise.is_file() or exercise.read_text(encoding="utf-8") != expected:
+            stale.append(chapter.exercise)
+    if stale:
+        print(f"out of date with their solutions: {', '.join(stale)}; run `minillm book exercises`.", file=sys.stderr)
+        return 1
+    print(f"{len(book.written())} exercise notebooks match their solutions.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description="minillm: a small, readable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -70,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     gen.set_defaults(func=cmd_generate)
+
+    from minillm.grading.grade import add_grade_command
+
+    add_grade_command(sub)
+
+    book = sub.add_parser("book", help="maintain the book (exercise notebooks)", description="Maintain the book.")
+    book_sub = book.add_subparsers(dest="book_command", metavar="ACTION")
+    book_sub.required = True
+    ex = book_sub.add_parser("exercises", help="regenerate exercises/ from solutions/",
+                             description="Regenerate every written chapter's exercise notebook from its solution.")
+    ex.add_argument("--check", action="store_true", help="only check that they are up to date (exit 1 if not)")
+    ex.set_defaults(func=cmd_book_exercises)
     return parser
 
 

@@ -1,0 +1,294 @@
+"""`check(task_id, obj)`: run an exercise task's tests against the reader's answer (every chapter).
+
+A *task* is one thing an exercise asks the reader to build ("00.rms_norm": an RMSNorm function).
+Each task registers a few *tests*; each test calls the reader's object and either returns (pass)
+or raises `MismatchError(what, expected, got, hint)`. `check` runs every test with a time limit and shows
+one line per test: pass, or fail with what was expected, what came and a hint. An exception in the
+reader's code is summarised as its type, message and the reader's own line — never a traceback.
+
+    from minillm.grading import check
+    check("00.rms_norm", rms_norm)        # in a notebook: a small coloured table
+
+Registering a task (see `minillm/grading/tasks/`):
+
+    task = register_task("00.rms_norm", "rms_norm(x, weight, eps) -> Tensor", reference=my_rms_norm)
+
+    @task.test("matches minillm's RMSNorm on random inputs")
+    def _(rms_norm):
+        ...
+        expect_close(rms_norm(x, w, 1e-5), reference, what="rms_norm(x, w, 1e-5)", hint="...")
+
+When `minillm grade` runs a notebook it sets `MINILLM_GRADE_OUT`; each `check` then also appends
+its result to that file as one JSON line, which is how the grader learns what passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GRADE_OUT_ENV = "MINILLM_GRADE_OUT"
+DEFAULT_TIME_LIMIT_S = 20.0
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+class MismatchError(AssertionError):
+    """A test's verdict on a wrong answer: what was checked, what was expected, what came, and a hint."""
+
+    def __init__(self, what: str, expected: Any, got: Any, hint: str = "") -> None:
+        super().__init__(f"{what}: expected {expected}, got {got}")
+        self.what, self.expected, self.got, self.hint = what, expected, got, hint
+
+
+@dataclass
+class TaskTest:
+    name: str
+    run: Callable[[Any], None]
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+
+
+@dataclass
+class Task:
+    """A registered exercise task: its id, what the reader must write, its tests, and a reference answer."""
+
+    id: str
+    signature: str
+    reference: Callable[..., Any]
+    tests: list[TaskTest] = field(default_factory=list)
+
+    def test(self, name: str, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Callable:
+        """Decorator: register `fn(answer)` as one of this task's tests."""
+
+        def register(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+            self.tests.append(TaskTest(name, fn, time_limit_s))
+            return fn
+
+        return register
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register_task(task_id: str, signature: str, reference: Callable[..., Any]) -> Task:
+    """Create and register a task; `reference` is a correct answer (tests prove it passes)."""
+    if task_id in TASKS:
+        raise ValueError(f"task {task_id!r} is registered twice; task ids must be unique.")
+    TASKS[task_id] = Task(task_id, signature, reference)
+    return TASKS[task_id]
+
+
+def get_task(task_id: str) -> Task:
+    """The registered task `task_id` (tasks of every chapter are loaded on first use)."""
+    from minillm.grading import tasks  # noqa: F401 - importing registers every chapter's tasks
+
+    if task_id not in TASKS:
+        known = ", ".join(sorted(TASKS)) or "none"
+        raise KeyError(f"no exercise task {task_id!r}; check the id in the notebook. Known tasks: {known}.")
+    return TASKS[task_id]
+
+
+# ---- helpers for writing tests ------------------------------------------------------------------
+
+
+def expect_close(got: Any, expected: torch.Tensor, what: str, hint: str = "", atol: float = 1e-5,
+                 rtol: float = 1e-5) -> None:
+    """Raise `MismatchError` unless `got` is a tensor of `expected`'s shape and dtype with close values."""
+    if not isinstance(got, torch.Tensor):
+        raise MismatchError(what, f"a torch.Tensor of shape {tuple(expected.shape)}", type(got).__name__, hint)
+    if got.shape != expected.shape:
+        raise MismatchError(what, f"shape {tuple(expected.shape)}", f"shape {tuple(got.shape)}", hint)
+    if got.dtype != expected.dtype:
+        raise MismatchError(what, f"dtype {expected.dtype}", f"dtype {got.dtype}", hint)
+    diff = (got.detach().float() - expected.float()).abs()
+    bad = ~(diff <= atol + rtol * expected.float().abs())
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise MismatchError(
+            what,
+            f"values within {atol:g} (+{rtol:g}·|x|); at index {idx}: {expected[idx].item():.6g}",
+            f"{got[idx].item():.6g} (max |Δ| {diff.max().item():.3g}, {int(bad.sum())} of {diff.numel()} off)",
+            hint,
+        )
+
+
+def expect_equal(got: Any, expected: Any, what: str, hint: str = "") -> None:
+    """Raise `MismatchError` unless `got == expected` (same type family: an int is not a float)."""
+    if type(got) is not type(expected) and not (isinstance(got, int) and isinstance(expected, int)):
+        raise MismatchError(what, f"{expected!r} ({type(expected).__name__})", f"{got!r} ({type(got).__name__})", hint)
+    if got != expected:
+        raise MismatchError(what, f"{expected!r}", f"{got!r}", hint)
+
+
+# ---- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TestResult:
+    name: str
+    passed: bool
+    message: str = ""  # on failure: expected / got, or the summarised exception
+    hint: str = ""
+
+
+@dataclass
+class TaskResult:
+    task_id: str
+    results: list[TestResult]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    @property
+    def n_passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    def summary(self) -> str:
+        """One line: all passed, or how many failed and the first failure."""
+        if self.passed:
+            return f"all {len(self.results)} tests passed"
+        first = next(r for r in self.results if not r.passed)
+        return f"{len(self.results) - self.n_passed} of {len(self.results)} tests failed; first: {first.name}: " \
+               f"{first.message}"
+
+    def __repr__(self) -> str:
+        lines = [f"{self.task_id}: {self.n_passed}/{len(self.results)} tests passed"]
+        for r in self.results:
+            lines.append(f"  {'PASS' if r.passed else 'FAIL'}  {r.name}")
+            if not r.passed:
+                lines.append(f"        {r.message}")
+                if r.hint:
+                    lines.append(f"        hint: {r.hint}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        colour = "#1a7f37" if self.passed else "#cf222e"
+        rows = []
+        for r in self.results:
+            mark = '<span style="color:#1a7f37">&#10004; pass</span>' if r.passed else \
+                '<span style="color:#cf222e">&#10008; fail</span>'
+            detail = "" if r.passed else escape(r.message) + (
+                f"<br><i>hint:</i> {escape(r.hint)}" if r.hint else "")
+            rows.append(f"<tr><td style='text-align:left'>{mark}</td><td style='text-align:left'>{escape(r.name)}"
+                        f"</td><td style='text-align:left'>{detail}</td></tr>")
+        return (f"<div><b style='color:{colour}'>{escape(self.task_id)}: {self.n_passed}/{len(self.results)} "
+                f"tests passed</b><table>{''.join(rows)}</table></div>")
+
+
+def summarise_exception(exc: BaseException) -> str:
+    """`TypeError: msg (your line 7: x = foo(y))`: the type, message and the reader's own line."""
+    if isinstance(exc, NotImplementedError):
+        return f"not implemented yet: {exc}" if str(exc) else "not implemented yet"
+    text = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if not _is_library_file(f.filename)]
+    if own:
+        f = own[-1]
+        line = (f.line or "").strip()
+        text += f" (your line {f.lineno}: {line})" if line else f" (your line {f.lineno})"
+    return text
+
+
+def _is_library_file(filename: str) -> bool:
+    if filename.startswith(_PACKAGE_DIR):
+        return True
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return any(filename.startswith(p) and ("site-packages" in filename or "/lib/python" in filename)
+               for p in prefixes)
+
+
+class _TimeLimitError(Exception):
+    pass
+
+
+def _run_with_time_limit(fn: Callable[[], None], seconds: float) -> None:
+    """Run fn, raising `_TimeLimitError` after `seconds` (a SIGALRM in the main thread, else a watcher thread)."""
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise _TimeLimitError()
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        return
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not outcome:
+        raise _TimeLimitError()
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def run_task(task_id: str, answer: Any) -> TaskResult:
+    """Run every test of `task_id` on `answer`; never raises for a wrong or broken answer."""
+    task = get_task(task_id)
+    results = []
+    for t in task.tests:
+        try:
+            _run_with_time_limit(lambda t=t: t.run(answer), t.time_limit_s)
+            results.append(TestResult(t.name, True))
+        except MismatchError as m:
+            results.append(TestResult(t.name, False, f"{m.what}: expected {m.expected}; got {m.got}", m.hint))
+        except _TimeLimitError:
+            results.append(TestResult(t.name, False, f"took longer than {t.time_limit_s:g} s: "
+                                      "look for a loop that never ends or one over every element"))
+        except Exception as exc:  # noqa: BLE001 - a reader's bug is reported, not raised
+            results.append(TestResult(t.name, False, summarise_exception(exc)))
+    return TaskResult(task_id, results)
+
+
+def _record_for_grader(result: TaskResult) -> None:
+    path = os.environ.get(GRADE_OUT_ENV)
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"id": result.task_id, "passed": result.passed, "reason": result.summary()}) + "\n")
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def check(task_id: str, answer: Any) -> None:
+    """Run task `task_id`'s tests on the reader's `answer` and show one line per test.
+
+    In Jupyter the result is a small coloured table; elsewhere it is printed as text.
+    """
+    result = run_task(task_id, answer)
+    _record_for_grader(result)
+    if _in_notebook():
+        from IPython.display import display
+
+        display(result)
+    else:
+        print(repr(result))
