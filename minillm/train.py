@@ -39,8 +39,9 @@ PRESETS = {
     # ~11M parameters, GQA with 8 query heads sharing 2 KV heads, tied embeddings.
     "target": ModelConfig(dim=384, n_layers=6, n_heads=8, n_kv_heads=2, ffn_dim=1024, vocab_size=VOCAB_SIZE,
                           max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5, bos_token_id=0, eos_token_id=1),
-    # ~1.3M parameters: the speculative-decoding chapter's draft.
-    "draft": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=VOCAB_SIZE,
+    # ~0.9M parameters in 2 layers: the speculative-decoding chapter's draft (a third of the target's depth,
+    # so a third of its per-token work where small models are bound by per-layer overhead).
+    "draft": ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=VOCAB_SIZE,
                          max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5, bos_token_id=0, eos_token_id=1),
 }
 
