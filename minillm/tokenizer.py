@@ -33,6 +33,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids. `add_special_tokens` applies the tokenizer's template (e.g. a leading BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}; decode bytes with .decode('utf-8') first.")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the text holds {text[e.start:e.end]!r} at index {e.start}, a lone surrogate that is not a character "
+                "and has no UTF-8 bytes; read text files with encoding='utf-8' (errors='replace' if they are damaged)."
+            ) from None
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

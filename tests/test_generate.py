@@ -217,8 +217,8 @@ def test_incremental_decoder_never_emits_half_a_character(tokenizer):
 
 @settings(max_examples=50, deadline=None, database=None)
 @given(
-    prompt=st.text(st.characters(blacklist_characters="\ufffd"), max_size=12),
-    text=st.text(st.characters(blacklist_characters="\ufffd"), min_size=1, max_size=30),
+    prompt=st.text(st.characters(blacklist_characters="\ufffd", blacklist_categories=("Cs",)), max_size=12),
+    text=st.text(st.characters(blacklist_characters="\ufffd", blacklist_categories=("Cs",)), min_size=1, max_size=30),
 )
 def test_incremental_decoder_on_random_unicode(tokenizer, prompt, text):
     """For any text after any prompt: no piece has U+FFFD and the pieces add up to the decoded ids."""
@@ -227,6 +227,13 @@ def test_incremental_decoder_on_random_unicode(tokenizer, prompt, text):
     pieces = push_all(tokenizer, ids, prompt_ids)
     assert not any("\ufffd" in p for p in pieces), f"a piece holds half a character: {pieces}"
     assert "".join(pieces) == tokenizer.decode(ids), f"pieces {pieces} do not add up to {tokenizer.decode(ids)!r}"
+
+
+def test_encode_rejects_a_lone_surrogate_with_a_clear_error(tokenizer):
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tokenizer.encode("ab\ud800c")
+    with pytest.raises(TypeError, match="decode bytes"):
+        tokenizer.encode(b"bytes")
 
 
 # ------------------------------------------------------------------ errors before any work
