@@ -3,6 +3,7 @@
     minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
                      [--device cpu|cuda] PROMPT
     minillm grade NOTEBOOK... [--chapter NN] [--timeout S] [--csv FILE] [--json FILE]
+    minillm drill [--chapter NN] [--tag T] [--level L] [-n K] [--answers FILE]
     minillm book exercises [--check]
 
 Errors print one line (`minillm: error: ...`) and exit with status 1, without a traceback.
@@ -94,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     gen.set_defaults(func=cmd_generate)
 
+    from minillm.grading.drills import add_drill_command
     from minillm.grading.grade import add_grade_command
 
     add_grade_command(sub)
+    add_drill_command(sub)
 
     book = sub.add_parser("book", help="maintain the book (exercise notebooks)", description="Maintain the book.")
     book_sub = book.add_subparsers(dest="book_command", metavar="ACTION")

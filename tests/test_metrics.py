@@ -1,0 +1,276 @@
+"""minillm.metrics: every formula against a hand-computed case, the live model and the live KV cache."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from minillm import metrics
+from minillm.config import ModelConfig
+from minillm.kv_cache import KVCache
+from minillm.model import Transformer
+
+# Published sizes (model cards, papers), in parameters; param_count must land within 1%.
+PUBLISHED = {
+    "llama-2-7b": 6.74e9,
+    "llama-2-13b": 13.0e9,
+    "llama-2-70b": 69.0e9,
+    "llama-3-8b": 8.03e9,
+    "llama-3-70b": 70.6e9,
+    "llama-3.1-405b": 405.9e9,
+    "mistral-7b": 7.24e9,
+    "qwen2.5-7b": 7.62e9,
+    "opt-13b": 12.9e9,
+    "gpt-3-175b": 175e9,
+}
+
+
+def random_config(rng: random.Random) -> ModelConfig:
+    n_kv = rng.choice([1, 2, 4])
+    n_heads = n_kv * rng.choice([1, 2, 3])
+    if rng.random() < 0.5:  # an explicit head_dim, unrelated to dim (as in Qwen3)
+        dim, head_dim = rng.choice([16, 24, 32]), rng.choice([8, 12, 16])
+    else:
+        dim, head_dim = n_heads * rng.choice([4, 8]), None
+    return ModelConfig(
+        dim=dim, n_layers=rng.randint(1, 3), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=rng.choice([20, 48, 64]), vocab_size=rng.choice([50, 97, 128]),
+        tie_embeddings=rng.random() < 0.5, qkv_bias=rng.random() < 0.5, o_bias=rng.random() < 0.5,
+        mlp_bias=rng.random() < 0.5, qk_norm=rng.random() < 0.5,
+    )
+
+
+# ------------------------------------------------------------------------------------ parameters
+def test_task_param_count_equals_live_model_on_random_configs():
+    rng = random.Random(0)
+    for _ in range(40):
+        config = random_config(rng)
+        live = sum(p.numel() for p in Transformer(config).parameters())
+        assert metrics.param_count(config) == live, f"param_count disagrees with Transformer for {config}"
+
+
+@pytest.mark.parametrize("switch", ["tie_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm"])
+def test_param_count_tracks_each_switch(switch):
+    base = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=64)
+    flipped = ModelConfig(**{**base.to_dict(), switch: True})
+    for config in (base, flipped):
+        assert metrics.param_count(config) == Transformer(config).num_parameters()
+
+
+def test_param_count_of_the_shipped_model():
+    import minillm
+
+    model, _ = minillm.load("shakespeare-11m")
+    assert metrics.param_count(model.config) == 10_867_584 == model.num_parameters()
+
+
+def test_presets_are_exactly_the_documented_ones():
+    assert set(metrics.PRESETS) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_task_preset_param_count_matches_published_size(name):
+    got, want = metrics.param_count(name), PUBLISHED[name]
+    assert abs(got - want) / want < 0.01, f"{name}: param_count {got / 1e9:.3f}B, published {want / 1e9:.2f}B"
+
+
+def test_exact_counts_of_hand_computed_presets():
+    # Llama-2-7B: 32 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) + 2 x 32000 x 4096 + 4096
+    block = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    assert metrics.param_count("llama-2-7b") == 32 * block + 2 * 32000 * 4096 + 4096 == 6_738_415_616
+    # OPT-13B: 4 biased d x d, fc1/fc2 with biases, 2 LayerNorms (weight+bias), tied embedding, 2050 positions
+    d, f = 5120, 20480
+    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    assert metrics.param_count("opt-13b") == 40 * block + 50272 * d + 2050 * d + 2 * d
+
+
+def test_preset_returns_a_copy_and_rejects_unknown_names():
+    cfg = metrics.preset("llama-2-7b")
+    cfg.n_layers = 1
+    assert metrics.PRESETS["llama-2-7b"].n_layers == 32
+    with pytest.raises(ValueError, match="unknown preset 'llama-9b'; choose one of"):
+        metrics.preset("llama-9b")
+    with pytest.raises(ValueError, match="unknown preset"):
+        metrics.kv_cache_bytes("gpt-5", 10)
+
+
+def test_gpt_config_validates():
+    with pytest.raises(ValueError, match="activation"):
+        metrics.GPTConfig(dim=64, n_heads=4, activation="swish")
+
+
+@pytest.mark.parametrize("bits,gb", [(32, 26.95), (16, 13.48), (8, 6.74), (4, 3.37)])
+def test_weight_bytes_by_dtype(bits, gb):
+    assert metrics.weight_bytes("llama-2-7b", bits) / 1e9 == pytest.approx(gb, rel=1e-3)
+    assert metrics.weight_bytes(6_738_415_616, bits) == metrics.weight_bytes("llama-2-7b", bits)
+
+
+def test_13b_fp16_does_not_fit_in_24gb():
+    assert metrics.weight_bytes("llama-2-13b", 16) > 24e9
+    assert metrics.max_batch_size("llama-2-13b", 24e9, 1024) == 0
+
+
+# ------------------------------------------------------------------------------------ KV cache
+def test_task_kv_bytes_per_token_llama2_7b():
+    assert metrics.kv_cache_bytes_per_token("llama-2-7b") == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert metrics.kv_cache_bytes_per_token("llama-2-7b", "fp8") == 262_144
+    assert metrics.kv_cache_bytes("llama-2-7b", 4096, batch=8) == 524_288 * 4096 * 8
+
+
+def test_gqa_kv_is_smaller_by_the_group_factor():
+    mha = metrics.preset("llama-3-70b")
+    mha.n_kv_heads = mha.n_heads
+    gqa = metrics.PRESETS["llama-3-70b"]
+    factor = gqa.n_heads // gqa.n_kv_heads
+    assert metrics.kv_cache_bytes_per_token(mha) == metrics.kv_cache_bytes_per_token(gqa) * factor
+    assert metrics.kv_cache_bytes_per_token(gqa) == 327_680
+
+
+@pytest.mark.parametrize("dtype,nbytes", [(torch.float16, 2), (torch.float32, 4), (torch.bfloat16, 2)])
+def test_task_kv_bytes_agree_with_a_live_kv_cache(dtype, nbytes):
+    config = ModelConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=10, ffn_dim=64, vocab_size=50)
+    cache = KVCache(config, batch_size=3, max_len=17, dtype=dtype)
+    assert metrics.kv_cache_bytes(config, 17, batch=3, dtype_bytes=nbytes) == cache.nbytes
+
+
+def test_max_batch_size_worked_case():
+    # 80 GB - 13,476,831,232 B of weights = 66,523,168,768 B; / 2,147,483,648 B per 4k sequence = 30.98
+    assert metrics.max_batch_size("llama-2-7b", 80e9, 4096) == 30
+    # Reserve 5 GB and use 90%: (72e9 - 13.48e9 - 5e9) / 2.147e9 = 24.9
+    assert metrics.max_batch_size("llama-2-7b", 80e9, 4096, reserve_bytes=5e9, memory_utilization=0.9) == 24
+    # An FP8 cache doubles it: 66.52e9 / 1.074e9 = 61.9
+    assert metrics.max_batch_size("llama-2-7b", 80e9, 4096, kv_dtype_bytes=1) == 61
+
+
+# ------------------------------------------------------------------------------------ FLOPs and the roofline
+def test_flops_per_token_hand_case():
+    c = ModelConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12, vocab_size=10)
+    # per layer: qkv 8 x (8 + 2 x 4) + o 8 x 8 = 192; MLP 3 x 8 x 12 = 288; head 10 x 8 = 80
+    assert metrics.matmul_params(c) == 2 * (192 + 288) + 80
+    assert metrics.flops_per_token(c, 0) == 2 * 1040
+    assert metrics.flops_per_token(c, 5) == 2 * 1040 + 4 * 2 * 2 * 4 * 5
+
+
+def test_prefill_flops_is_the_sum_of_per_token_flops_less_unneeded_logits():
+    c = metrics.PRESETS["llama-2-7b"]
+    n = 37
+    head = c.vocab_size * c.dim
+    per_token = sum(metrics.flops_per_token(c, t) for t in range(1, n + 1))
+    assert metrics.prefill_flops(c, n) == per_token - 2 * head * (n - 1)
+
+
+def test_arithmetic_intensity_and_ridge_point():
+    assert metrics.arithmetic_intensity(600, 200) == 3
+    assert metrics.ridge_point(989.4e12, 3.35e12) == pytest.approx(295.3, rel=1e-3)
+    assert metrics.GPU_SPECS["h100-sxm"].ridge_point == pytest.approx(295.3, rel=1e-3)
+
+
+def test_task_roofline_picks_the_binding_resource():
+    memory = metrics.roofline_time(flops=1e12, bytes_moved=1e12, peak_flops=1e15, peak_bandwidth=1e12)
+    assert memory.bound == "memory" and memory.time_s == 1.0 and memory.compute_s == 1e-3
+    compute = metrics.roofline_time(1e15, 1e9, 1e15, 1e12)
+    assert compute.bound == "compute" and compute.time_s == 1.0 and compute.memory_s == 1e-3
+    tie = metrics.roofline_time(1e12, 1e9, 1e15, 1e12)
+    assert tie.bound == "compute" and tie.time_s == 1e-3
+    assert memory.intensity == 1.0
+
+
+def test_decode_is_memory_bound_at_batch_1_and_compute_bound_at_huge_batch():
+    step = metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024)
+    assert step.bound == "memory"
+    assert step.bytes_moved == 6_738_415_616 * 2 + 524_288 * 1024
+    assert step.time_s == pytest.approx(step.bytes_moved / 3.35e12)
+    assert metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1, batch=1024).bound == "compute"
+    # Ideal 8-way TP: same bytes and FLOPs, eight times the bandwidth.
+    tp = metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024, n_gpus=8)
+    assert tp.time_s == pytest.approx(step.time_s / 8)
+
+
+def test_prefill_is_compute_bound():
+    r = metrics.prefill_time("llama-2-7b", "h100-sxm", prompt_len=2048)
+    assert r.bound == "compute"
+    assert r.time_s == pytest.approx(metrics.prefill_flops("llama-2-7b", 2048) / 989.4e12)
+
+
+def test_gpu_specs_are_dense_and_sourced():
+    for key in ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4", "l40s", "a10g", "mi300x"):
+        spec = metrics.GPU_SPECS[key]
+        assert spec.source and spec.peak_flops > 0 and spec.memory_bytes > 0 and spec.memory_bandwidth > 0
+    assert metrics.GPU_SPECS["h100-sxm"].peak_flops == 989.4e12  # 1,979 TFLOPS is the 2:4-sparse figure
+    assert metrics.GPU_SPECS["a100-80gb"].peak_flops == 312e12
+    with pytest.raises(ValueError, match="unknown GPU 'h900'; pass a GPUSpec or one of"):
+        metrics.decode_step_time("llama-2-7b", "h900", 10)
+
+
+# ------------------------------------------------------------------------------------ cost
+def test_task_cost_per_million_tokens():
+    # 8 GPUs x 2.50 USD = 20 USD/h; 20,000 tok/s x 3600 s x 0.6 = 43.2M tokens per paid hour.
+    assert metrics.cost_per_million_tokens(2.5, 20_000, n_gpus=8, utilization=0.6) == pytest.approx(20 / 43.2)
+    assert metrics.cost_per_million_tokens(3.6, 1000) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------ later chapters
+def test_paging_arithmetic():
+    assert metrics.kv_blocks(1000, 16) == 63 and metrics.kv_blocks(1024, 16) == 64 and metrics.kv_blocks(0) == 0
+    assert metrics.contiguous_kv_waste([512, 1024], 1024) == 0.25
+    assert metrics.paged_kv_waste([17], 16) == pytest.approx(1 - 17 / 32)
+    assert metrics.static_batch_utilization([1, 3]) == pytest.approx(4 / 6)
+
+
+def test_quantisation_arithmetic():
+    assert metrics.effective_bits(4, 128) == 4.125
+    assert metrics.effective_bits(4, 64, 16, 16) == 4.5
+    assert metrics.effective_bits(8) == 8.0
+    assert metrics.quant_step(127, 8) == 1.0 and metrics.quant_step(7, 4) == 1.0
+
+
+def test_speculative_arithmetic():
+    assert metrics.expected_tokens_per_step(0.0, 5) == 1.0
+    assert metrics.expected_tokens_per_step(1.0, 5) == 6.0
+    assert metrics.expected_tokens_per_step(0.8, 4) == pytest.approx(sum(0.8**i for i in range(5)))
+    assert metrics.speculative_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
+    assert metrics.speculative_speedup(0.3, 5, 0.2) < 1
+    assert metrics.best_speculation_length(0.8, 0.1) == 6
+    assert metrics.best_speculation_length(0.3, 0.2) == 1
+
+
+def test_transfer_and_parallelism_arithmetic():
+    assert metrics.kv_transfer_time("llama-3-8b", 8192, 50e9) == pytest.approx(131_072 * 8192 / 50e9)
+    assert metrics.kv_transfer_time("llama-3-8b", 1, 1e9, latency_s=0.5) == pytest.approx(0.5 + 131_072 / 1e9)
+    assert metrics.ring_allreduce_bytes(800, 8) == 1400 and metrics.ring_allreduce_bytes(800, 1) == 0
+    assert metrics.pipeline_bubble_fraction(4, 12) == 0.2 and metrics.pipeline_bubble_fraction(1, 3) == 0
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: metrics.kv_cache_bytes("llama-2-7b", -1), "seq_len must be a non-negative number"),
+        (lambda: metrics.kv_cache_bytes("llama-2-7b", 10, batch=0), "batch must be a positive number"),
+        (lambda: metrics.kv_cache_bytes_per_token("llama-2-7b", "fp3"), "unknown dtype 'fp3'; pass bytes"),
+        (lambda: metrics.flops_per_token("llama-2-7b", -5), "context_len must be a non-negative"),
+        (lambda: metrics.max_batch_size("llama-2-7b", 80e9, 0), "seq_len must be a positive"),
+        (lambda: metrics.max_batch_size("llama-2-7b", 80e9, 10, memory_utilization=1.5), r"in \(0, 1\]"),
+        (lambda: metrics.cost_per_million_tokens(2.0, 0), "tokens_per_second must be a positive"),
+        (lambda: metrics.cost_per_million_tokens(2.0, 10, utilization=0), "busy fraction"),
+        (lambda: metrics.expected_tokens_per_step(1.5, 3), "alpha is a probability"),
+        (lambda: metrics.expected_tokens_per_step(0.5, -1), "non-negative integer"),
+        (lambda: metrics.weight_bytes("llama-2-7b", bits=0), "bits must be a positive"),
+        (lambda: metrics.param_count(42), "config must be a minillm ModelConfig or a preset name"),
+        (lambda: metrics.roofline_time(1, 0, 1, 1), "bytes_moved must be a positive"),
+        (lambda: metrics.contiguous_kv_waste([5000], 4096), "every length must be in"),
+        (lambda: metrics.pipeline_bubble_fraction(0, 4), "n_stages must be a positive integer"),
+        (lambda: metrics.quant_step(1.0, bits=1), "bits must be an integer >= 2"),
+    ],
+)
+def test_bad_input_raises_a_value_error_that_says_what_to_do(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_nan_is_rejected():
+    with pytest.raises(ValueError):
+        metrics.cost_per_million_tokens(math.nan, 10)
