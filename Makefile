@@ -48,8 +48,7 @@ test: setup
 	$(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
 
 book: setup
-	@if [ -z "$(wildcard chapters/*.ipynb)" ]; then echo "No chapters written yet: nothing to execute."; \
-	else $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace chapters/*.ipynb; fi
+	$(PY) -m minillm.site
 
 lab: setup
 	$(VENV)/bin/jupyter lab chapters/

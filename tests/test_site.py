@@ -1,0 +1,385 @@
+"""The HTML book, checked in a real browser: `minillm.site.build_site`, served locally, driven by Chromium.
+
+Two books are built once each (module-scoped fixtures) and served from 127.0.0.1:
+
+- a small fixture book written here (two written chapters, 00 and 01, with math, a matplotlib plot and
+  code, their exercises and solutions, and a planned chapter), executed by the build itself, so the
+  whole pipeline is proven even before the real book has a written chapter; its drill-bank page shows
+  the real bank's drills for chapters 00 and 01;
+- the real book from `book.yml`, built from the committed notebooks (execute=False).
+
+Headless Chromium (Debian's, /usr/bin/chromium, driven by Playwright) then checks that every chapter page
+loads with its title, every image decodes, math is typeset by the site's own MathJax, the theme's
+"next" link works, the drill answers sit in closed reveals, and no request fails or leaves 127.0.0.1.
+A full-page screenshot of each chapter is saved under `_build/screenshots/`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from minillm.book import REPO_ROOT, load_book
+from minillm.site import MATHJAX_VERSION, SiteError, build_site, written_drills
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+SCREENSHOTS = REPO_ROOT / "_build" / "screenshots"
+CACHE = REPO_ROOT / "_build" / ".cache"  # MathJax, downloaded once for every test run
+
+
+def _missing(what: str, how: str) -> None:
+    message = f"{what} is needed for the browser test of the HTML book: {how}"
+    if os.environ.get("CI"):
+        pytest.fail(message + " (CI is set, so this fails instead of skipping)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def build_tools() -> None:
+    """What building the site needs: Jupyter Book, and npm to fetch MathJax once."""
+    try:
+        import jupyter_book  # noqa: F401
+    except ImportError:
+        _missing("The book extra (jupyter-book, playwright)", "pip install -e '.[book]'")
+    if shutil.which("npm") is None and not (CACHE / f"mathjax-{MATHJAX_VERSION}").is_dir():
+        _missing("npm (to fetch MathJax once)", "apt-get install -y npm")
+
+
+@pytest.fixture(scope="module")
+def browser(build_tools) -> Iterator:
+    if not CHROMIUM.is_file():
+        _missing(str(CHROMIUM), "apt-get install -y chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright", "pip install -e '.[book]'")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fixture book
+
+
+def _notebook(cells: list[tuple[str, str]]) -> dict:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
+                for kind, src in cells]
+    return nb
+
+
+FIXTURE_CHAPTERS = {
+    "00_squares": [
+        ("md", "# Sums of squares\n\nThe energy of a vector is\n\n$$\\sum_i x_i^2$$\n\nand its norm is "
+               "$\\lVert x \\rVert = \\sqrt{\\sum_i x_i^2}$."),
+        ("code", "import numpy as np\nx = np.arange(5.0)\nprint('energy', float((x ** 2).sum()))"),
+        ("code", "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
+                 "fig, ax = plt.subplots(figsize=(5, 3))\nax.plot(x, x ** 2, marker='o')\n"
+                 "ax.set_xlabel('x'); ax.set_ylabel('x squared'); ax.set_title('Squares grow fast')\nplt.show()"),
+    ],
+    "01_cubes": [
+        ("md", "# Cubes\n\nThe next chapter: $$\\sum_{i=1}^n i^3 = \\left(\\frac{n(n+1)}{2}\\right)^2$$"),
+        ("code", "n = 10\nprint(sum(i ** 3 for i in range(1, n + 1)), (n * (n + 1) // 2) ** 2)"),
+    ],
+}
+FIXTURE_TITLES = {"00_squares": "Sums of squares", "01_cubes": "Cubes"}
+
+
+def write_fixture_book(root: Path) -> Path:
+    import nbformat
+
+    chapters = []
+    for i, (slug, cells) in enumerate(FIXTURE_CHAPTERS.items()):
+        for folder, extra in (("chapters", []), ("solutions", [("code", "answer = 42\nprint(answer)")]),
+                              ("exercises", [("code", "answer = None  # your turn")])):
+            (root / folder).mkdir(exist_ok=True)
+            nb = _notebook(cells[:1] + extra if folder != "chapters" else cells)
+            if folder == "exercises":  # committed as generated: never executed by the build
+                nb.cells[0].source = nb.cells[0].source.replace("# ", "# Exercises: ", 1)
+            nbformat.write(nb, root / folder / f"{slug}.ipynb")
+        chapters.append({
+            "id": f"{i:02d}", "title": FIXTURE_TITLES[slug], "status": "written",
+            "notebook": f"chapters/{slug}.ipynb", "solution": f"solutions/{slug}.ipynb",
+            "exercise": f"exercises/{slug}.ipynb", "goals": [f"Compute {FIXTURE_TITLES[slug].lower()}."],
+        })
+    chapters.append({"id": "02", "title": "Fourth powers", "status": "planned", "notebook": "chapters/02_fourth.ipynb",
+                     "solution": "solutions/02_fourth.ipynb", "exercise": "exercises/02_fourth.ipynb",
+                     "goals": ["Wait for it."]})
+    book = {"title": "A fixture book", "author": "The test suite", "chapters": chapters}
+    (root / "book.yml").write_text(yaml.safe_dump(book, sort_keys=False), encoding="utf-8")
+    return root / "book.yml"
+
+
+class Site:
+    """A built book served over HTTP on 127.0.0.1, and what a browser finds on its pages."""
+
+    def __init__(self, name: str, book_path: Path | None, html: Path, build_s: float) -> None:
+        self.name, self.book, self.html, self.build_s = name, load_book(book_path), html, build_s
+        self.shot_prefix = "" if name == "book" else f"{name}-"
+        handler = functools.partial(_QuietHandler, directory=str(html))
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+    def page_url(self, repo_path: str) -> str:
+        return self.url + str(Path(repo_path).with_suffix(".html"))
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the base class's signature)
+        pass
+
+
+def _build(name: str, book_path: Path | None, out: Path, execute: bool) -> Site:
+    start = time.perf_counter()
+    html = build_site(book_path, out_dir=out, execute=execute, cache_dir=CACHE)
+    build_s = time.perf_counter() - start
+    print(f"\n[{name}] build_site(execute={execute}) took {build_s:.1f} s", file=sys.stderr)
+    return Site(name, book_path, html, build_s)
+
+
+@pytest.fixture(scope="module")
+def fixture_site(tmp_path_factory, browser) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("fixture_book")
+    book_path = write_fixture_book(root)
+    site = _build("fixture", book_path, root / "_build", execute=True)
+    yield site
+    site.close()
+
+
+@pytest.fixture(scope="module")
+def real_site(tmp_path_factory, browser) -> Iterator[Site]:
+    site = _build("book", None, tmp_path_factory.mktemp("real_book"), execute=False)
+    yield site
+    site.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The browser
+
+
+class Visit:
+    """Open one page in a fresh tab, recording every failed, erroring or outside request and JS error."""
+
+    def __init__(self, browser, url: str) -> None:
+        self.problems: list[str] = []
+        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        self.page.on("request", self._request)
+        self.page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url} ({r.failure})"))
+        self.page.on("response", lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"))
+        self.page.on("pageerror", lambda e: self.problems.append(f"JavaScript error: {e}"))
+        self.goto(url)
+
+    def _request(self, request) -> None:
+        url = urlparse(request.url)
+        if url.scheme in ("http", "https", "ws", "wss") and url.hostname != "127.0.0.1":
+            self.problems.append(f"outside request: {request.url}")
+
+    def goto(self, url: str) -> None:
+        self.page.goto(url, wait_until="load")
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait until the network is quiet and MathJax (if the page loads it) has typeset the page."""
+        self.page.wait_for_load_state("networkidle")
+        self.page.evaluate("""async () => {
+            if (window.MathJax === undefined) return;
+            for (let i = 0; i < 100 && !(MathJax.startup && MathJax.startup.promise); i++)
+                await new Promise(r => setTimeout(r, 50));
+            await MathJax.startup.promise;
+        }""")
+        self.page.wait_for_load_state("networkidle")
+
+    def images(self) -> list[dict]:
+        return self.page.evaluate(
+            "() => Array.from(document.images).map(i => ({src: i.src, complete: i.complete, w: i.naturalWidth}))"
+        )
+
+    def close(self) -> None:
+        self.page.close()
+
+
+def screenshot(visit: Visit, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    visit.page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+
+
+def check_chapter(browser, site: Site, chapter) -> Visit:
+    """The checks every chapter page must pass; returns the open visit for further checks."""
+    visit = Visit(browser, site.page_url(chapter.notebook))
+    h1 = visit.page.locator("article h1, main h1").first.inner_text()
+    assert chapter.title.lower() in h1.lower(), f"chapter {chapter.id}: heading {h1!r} lacks {chapter.title!r}"
+    assert chapter.title.lower() in visit.page.title().lower()
+    broken = [i for i in visit.images() if not i["complete"] or i["w"] == 0]
+    assert not broken, f"chapter {chapter.id}: images that do not decode: {broken}"
+    source = (site.book.root / chapter.notebook).read_text(encoding="utf-8")
+    if "$" in source:  # the chapter has math: the site's MathJax must have typeset it
+        assert visit.page.locator("mjx-container").count() > 0, f"chapter {chapter.id}: math is not typeset"
+        assert not visit.page.locator("mjx-merror").count(), f"chapter {chapter.id}: MathJax reports a TeX error"
+    screenshot(visit, f"{site.shot_prefix}{chapter.slug}.png")
+    assert not visit.problems, f"chapter {chapter.id}: " + "\n".join(visit.problems)
+    return visit
+
+
+def check_next_link(browser, site: Site) -> None:
+    """The theme's "next" link goes from each written chapter to the one after it."""
+    written = site.book.written()
+    for here, there in zip(written, written[1:]):
+        visit = Visit(browser, site.page_url(here.notebook))
+        visit.page.locator("a.right-next").first.click()
+        visit.page.wait_for_url(site.page_url(there.notebook))
+        visit.settle()
+        h1 = visit.page.locator("article h1, main h1").first.inner_text()
+        assert there.title.lower() in h1.lower(), f"'next' from {here.id} led to {visit.page.url} ({h1!r})"
+        assert not visit.problems, "\n".join(visit.problems)
+        visit.close()
+
+
+def check_drill_bank(browser, site: Site) -> None:
+    """Every drill of a written chapter is on the page, its answer inside a reveal that starts closed."""
+    drills = written_drills(site.book)
+    visit = Visit(browser, site.url + "drills.html")
+    opened = visit.page.evaluate("() => Array.from(document.querySelectorAll('details')).filter(d => d.open).length")
+    assert opened == 0, f"{opened} drill reveal(s) are open by default"
+    details = visit.page.locator("article details")
+    if drills:
+        assert details.count() == len(drills), f"{len(drills)} drills but {details.count()} <details> reveals"
+        text = visit.page.locator("article").inner_text()
+        missing = [d.id for d in drills if d.id not in text]
+        assert not missing, f"drills missing from the drill bank page: {missing}"
+        answer = details.first.locator(":scope > :not(summary)").first
+        assert not answer.is_visible(), "a drill answer is visible before its reveal is opened"
+        screenshot(visit, f"{site.shot_prefix}drills.png")
+        details.first.locator("summary").click()
+        assert answer.is_visible(), "opening a drill's reveal does not show its answer"
+    assert not visit.problems, "\n".join(visit.problems)
+    visit.close()
+
+
+def check_intro(browser, site: Site) -> None:
+    visit = Visit(browser, site.url + "index.html")
+    text = visit.page.locator("article").inner_text().replace("\u2019", "'")  # Sphinx's smart quotes
+    assert site.book.title in text
+    for ch in site.book.chapters:
+        assert ch.title in text, f"the intro page does not list chapter {ch.id}"
+        for goal in ch.goals:
+            assert goal in text, f"the intro page lacks chapter {ch.id}'s goal {goal!r}"
+        if not ch.written:
+            assert f"{ch.title} (coming)" in text, f"the intro page does not mark chapter {ch.id} as coming"
+    screenshot(visit, f"{site.shot_prefix}index.png")
+    assert not visit.problems, "\n".join(visit.problems)
+    visit.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tests
+
+
+def test_written_chapter_with_missing_file_is_a_clear_error(tmp_path):
+    book = {"title": "t", "author": "a", "chapters": [{
+        "id": "00", "title": "Ghost", "status": "written", "notebook": "chapters/00_ghost.ipynb",
+        "solution": "solutions/00_ghost.ipynb", "exercise": "exercises/00_ghost.ipynb"}]}
+    (tmp_path / "book.yml").write_text(yaml.safe_dump(book), encoding="utf-8")
+    with pytest.raises(SiteError, match=r"chapter 00 \(Ghost\): chapters/00_ghost.ipynb") as err:
+        build_site(tmp_path / "book.yml", out_dir=tmp_path / "_build")
+    assert "status: planned" in str(err.value)
+
+
+def test_build_error_fails_loudly(tmp_path, build_tools):
+    """A chapter Sphinx cannot render stops the build, naming the file and the error."""
+    import nbformat
+
+    book = {"title": "t", "author": "a", "chapters": [{
+        "id": "00", "title": "Broken", "status": "written", "notebook": "chapters/00_broken.ipynb",
+        "solution": "solutions/00_broken.ipynb", "exercise": "exercises/00_broken.ipynb"}]}
+    for folder in ("chapters", "solutions", "exercises"):
+        (tmp_path / folder).mkdir()
+        cells = [("md", "# Broken\n\n```{eval-rst}\n.. no-such-directive::\n```")] if folder == "chapters" else []
+        nbformat.write(_notebook(cells or [("md", "# Fine")]), tmp_path / folder / "00_broken.ipynb")
+    (tmp_path / "book.yml").write_text(yaml.safe_dump(book), encoding="utf-8")
+    with pytest.raises(SiteError, match=r"chapters/00_broken.ipynb:\d+: ERROR: Unknown directive type"):
+        build_site(tmp_path / "book.yml", out_dir=tmp_path / "_build", cache_dir=CACHE)
+
+
+def test_fixture_book_chapters(browser, fixture_site):
+    for ch in fixture_site.book.written():
+        visit = check_chapter(browser, fixture_site, ch)
+        if ch.id == "00":  # the fixture's plot and its math, and the executed output
+            assert len(visit.images()) >= 1, "the matplotlib figure is missing from the page"
+            assert visit.page.locator("mjx-container[display='true']").count() >= 1, "display math not typeset"
+            assert "energy 30.0" in visit.page.locator("article").inner_text(), "the executed output is missing"
+        visit.close()
+
+
+def test_fixture_book_navigation_intro_and_drills(browser, fixture_site):
+    check_next_link(browser, fixture_site)
+    check_intro(browser, fixture_site)
+    check_drill_bank(browser, fixture_site)
+
+
+def test_fixture_book_exercises_and_solutions(browser, fixture_site):
+    for ch in fixture_site.book.written():
+        for path, word in ((ch.exercise, "Exercises"), (ch.solution, "")):
+            visit = Visit(browser, fixture_site.page_url(path))
+            text = visit.page.locator("article").inner_text()
+            assert word in text
+            if path == ch.solution:
+                assert "42" in text, f"{path}: the build did not execute the solution"
+            assert not visit.problems, "\n".join(visit.problems)
+            visit.close()
+
+
+def test_real_book(browser, real_site):
+    written = real_site.book.written()
+    for ch in written:
+        check_chapter(browser, real_site, ch).close()
+    check_next_link(browser, real_site)
+    check_intro(browser, real_site)
+    check_drill_bank(browser, real_site)
+    if not written:
+        pytest.skip("book.yml has no written chapter yet: only the intro and drill-bank pages were checked")
+
+
+def test_site_names_no_outside_script(fixture_site):
+    """No page of the built site refers to a script or stylesheet outside it (CDN, fonts, thebe)."""
+    import re
+
+    outside = re.compile(r"""<(?:script|link)[^>]+(?:src|href)=["'](?:https?:)?//""")
+    offenders = [p.name for p in fixture_site.html.rglob("*.html") if outside.search(p.read_text(encoding="utf-8"))]
+    assert not offenders, f"pages that load from outside the site: {offenders}"
+
+
+def test_mathjax_is_cached(tmp_path, fixture_site, monkeypatch):
+    """A second fetch finds MathJax in the cache and does not call npm."""
+    from minillm import site
+
+    monkeypatch.setattr(site.shutil, "which", lambda *a, **k: pytest.fail("npm was called with MathJax cached"))
+    assert (site.fetch_mathjax(CACHE) / "tex-chtml.js").is_file()
+    assert (fixture_site.html / "_static" / site.MATHJAX_ENTRY).is_file()
+
