@@ -103,7 +103,7 @@ def build_site(
     for paths in parts.values():
         for path in paths:
             (src / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(book.root / path, src / path)
+            copy_for_reading(book.root / path, src / path)
     (src / "index.md").write_text(intro_page(book), encoding="utf-8")
     (src / "drills.md").write_text(drill_bank_page(book), encoding="utf-8")
     shutil.copytree(fetch_mathjax(cache), src / "_mathjax" / "mathjax")
@@ -113,6 +113,17 @@ def build_site(
     html = out / "html"
     run_sphinx(src, html, out / ".doctrees")
     return html
+
+
+def copy_for_reading(source: Path, dest: Path) -> None:
+    """Copy a notebook into the site without its test markers (`# NBVAL_...` lines), which mean nothing to a reader."""
+    import nbformat
+
+    nb = nbformat.read(source, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = "\n".join(ln for ln in cell.source.split("\n") if not ln.strip().startswith("# NBVAL_"))
+    nbformat.write(nb, dest)
 
 
 def notebook_parts(book: Book) -> dict[str, list[str]]:

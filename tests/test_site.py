@@ -375,6 +375,12 @@ def test_site_names_no_outside_script(fixture_site):
     assert not offenders, f"pages that load from outside the site: {offenders}"
 
 
+def test_pages_show_no_test_markers(real_site):
+    """nbval's `# NBVAL_CHECK_OUTPUT` markers are for the test suite; the site leaves them out."""
+    shown = [p.name for p in real_site.html.rglob("*.html") if "NBVAL_" in p.read_text(encoding="utf-8")]
+    assert not shown, f"pages showing nbval markers: {shown}"
+
+
 def test_mathjax_is_cached(tmp_path, fixture_site, monkeypatch):
     """A second fetch finds MathJax in the cache and does not call npm."""
     from minillm import site
