@@ -1,6 +1,41 @@
 """Triton kernels, installed as `minillm.kernels` (chapter 02 onward).
 
 Each kernel module holds a Triton kernel and a plain PyTorch reference beside it; the engine
-dispatches to the kernel on CUDA and to the reference elsewhere. The first kernels (a
-FlashAttention forward and a fused RMSNorm) arrive with chapter 02.
+dispatches to the kernel on CUDA and to the reference elsewhere. The first kernels arrive with
+chapter 02:
+
+    flash_attention(q, k, v, causal, scale)       FlashAttention forward: tiles, online softmax, GQA in place
+    attention_reference(q, k, v, causal, scale)   the same attention in plain PyTorch (the definition)
+    fused_add_rms_norm(x, residual, weight, eps)  residual add + RMSNorm in one pass over memory
+    fused_add_rms_norm_reference(...)             the same as separate PyTorch operations
+
+`import minillm.kernels` works on a machine without Triton: the names are then missing, and
+asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
+only on CUDA (see `minillm.model.use_triton_attention`). To run the kernels on a CPU, through
+Triton's interpreter, set TRITON_INTERPRET=1 before anything imports triton.
+
+The function `flash_attention` shadows its module of the same name here: `import
+minillm.kernels.flash_attention as m` gives the function. Reach the module's other names with
+`from minillm.kernels.flash_attention import ...` (or `sys.modules`).
 """
+
+from __future__ import annotations
+
+import importlib.util
+
+__all__ = ["attention_reference", "flash_attention", "fused_add_rms_norm", "fused_add_rms_norm_reference"]
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+if TRITON_AVAILABLE:
+    from .flash_attention import attention_reference, flash_attention
+    from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
+else:
+
+    def __getattr__(name: str) -> object:
+        if name in __all__:
+            raise ImportError(
+                f"minillm.kernels.{name} needs Triton, which is not installed: `pip install triton` "
+                "(Linux; its CPU interpreter runs with TRITON_INTERPRET=1). minillm runs without it, in PyTorch."
+            )
+        raise AttributeError(f"module 'minillm.kernels' has no attribute {name!r}")

@@ -11,11 +11,16 @@ keys and values live. Module names follow vLLM's, which follow Hugging Face's, e
 q/k/v projections are stacked into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`:
 one large matmul instead of several small ones, the layout every serving engine uses.
 `minillm.checkpoints` stacks the checkpoint's separate matrices on load and splits them on save.
+On a CUDA GPU, prefill attention runs minillm's Triton FlashAttention kernel (chapter 02; see
+`use_triton_attention`, and MINILLM_TRITON=0 to turn it off); everywhere else it runs in PyTorch.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -131,10 +136,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | str | None,
         cache: KVCache | None,
     ) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]. `mask` [B, 1, T, S] bool (True = may attend) or None."""
+        """x [B, T, dim] -> [B, T, dim]. `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -150,16 +155,53 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
 
 
+# The mask value meaning "plain causal": the T queries are the last T of the S key positions, and
+# query t sees keys 0..S-T+t. `Transformer.forward` passes it instead of a mask tensor when the
+# Triton FlashAttention kernel will run, which computes this pattern itself (chapter 02).
+CAUSAL = "causal"
+FLASH_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims minillm.kernels.flash_attention compiles for
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether attention over activations like `x` runs minillm's Triton FlashAttention kernel (chapter 02).
+
+    Yes when `x` is a CUDA tensor of float16/bfloat16/float32, `head_dim` is one the kernel supports,
+    Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else (the CPU
+    above all) attention runs in PyTorch, `F.scaled_dot_product_attention` with an explicit mask.
+    """
+    return (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and head_dim in FLASH_HEAD_DIMS
+        and os.environ.get("MINILLM_TRITON", "1") != "0"
+        and _triton_installed()
+    )
+
+
 def grouped_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v, where each group of G = H / H_kv query heads shares one K/V head.
 
-    q [B, H, T, d], k and v [B, H_kv, S, d], mask [B, 1, T, S] bool or None -> [B, H, T, d].
+    q [B, H, T, d], k and v [B, H_kv, S, d], mask [B, 1, T, S] bool, None or CAUSAL -> [B, H, T, d].
     Query heads h*G .. h*G+G-1 use K/V head h, so we fold each group's G heads into the query
     axis, [B, H_kv, G*T, d], and attend once per K/V head: K and V are never copied per query head.
+    With mask=CAUSAL the Triton FlashAttention kernel runs where it can (it maps each query head to
+    its K/V head itself); elsewhere CAUSAL becomes an explicit mask.
     """
     B, H, T, d = q.shape
+    if isinstance(mask, str):  # CAUSAL
+        if use_triton_attention(q, d):
+            from minillm.kernels import flash_attention
+
+            return flash_attention(q, k, v, causal=True)
+        S = k.shape[2]
+        mask = attention_mask(torch.arange(S - T, S, device=q.device)[None], torch.arange(S, device=q.device)[None])
     G = H // k.shape[1]
     q = q.reshape(B, k.shape[1], G * T, d)
     if mask is not None:
@@ -193,7 +235,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | str | None,
+        cache: KVCache | None,
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; the other arguments pass through to `Attention`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -266,6 +313,7 @@ class Transformer(nn.Module):
             )
         B, T = tokens.shape
         past = cache.seq_len if cache is not None else 0
+        default_positions = positions is None
         if positions is None:
             positions = torch.arange(past, past + T, device=tokens.device)
         positions = positions.expand(B, T)
@@ -276,6 +324,9 @@ class Transformer(nn.Module):
         window = self.config.sliding_window
         if T == 1 and (window is None or past < window):
             mask = None  # one query sees every key: nothing to mask
+        elif (window is None and default_positions and (cache is None or isinstance(cache, KVCache))
+              and use_triton_attention(x, self.config.head_dim)):
+            mask = CAUSAL  # a CUDA prefill: the FlashAttention kernel applies the causal pattern itself
         else:
             keys = positions if cache is None else torch.arange(past + T, device=tokens.device).expand(B, -1)
             mask = attention_mask(positions, keys, window)

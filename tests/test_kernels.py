@@ -1,0 +1,282 @@
+"""minillm.kernels: the Triton FlashAttention forward and the fused add + RMSNorm, against their references.
+
+Without a GPU the kernels run on the CPU through Triton's interpreter: TRITON_INTERPRET=1 must be
+set before the kernel modules are imported (Triton decides at decoration time), so this file sets it
+first (and leaves it set: Triton consults it again at run time). The interpreter executes each
+program in NumPy, slowly, so the shapes are small (T <= 80) and ragged on purpose: tile sizes are
+32 there, and 16 where a test asks, so every shape crosses tile edges, the causal diagonal and the
+ragged end of the keys. Two interpreter quirks with bf16: it computes `tl.dot` on bf16 wrongly (the
+kernel upcasts those dots to fp32 there), and it rounds fp32 -> bf16 toward zero rather than to
+nearest (so bf16 results there may differ from PyTorch's by one unit in the last place).
+The CUDA tests (skipped here) run bf16 at real lengths and the model's dispatch to the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the kernels' import: Triton reads it when @triton.jit decorates them
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton): the kernels need it")
+import minillm.kernels  # noqa: E402
+from minillm.kernels import attention_reference, flash_attention, fused_add_rms_norm  # noqa: E402
+from minillm.kernels.rmsnorm import fused_add_rms_norm_reference  # noqa: E402
+
+FA = sys.modules["minillm.kernels.flash_attention"]
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and not FA._interpreted():
+    pytest.skip(
+        "minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; "
+        "run this file on its own (pytest tests/test_kernels.py)",
+        allow_module_level=True,
+    )
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# tolerances for outputs of magnitude ~1: fp32 dots are exact fp32; fp16/bf16 round the output and P
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def random_qkv(B, H, H_kv, T_q, T_k, D, dtype, seed=0, device=DEVICE):  # noqa: N803 - shape names
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T_q, D, generator=g).to(device, dtype)
+    k = torch.randn(B, H_kv, T_k, D, generator=g).to(device, dtype)
+    v = torch.randn(B, H_kv, T_k, D, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def sdpa(q, k, v, causal, scale=None):
+    """PyTorch's SDPA with K/V repeated per query head and the bottom-right causal mask made explicit."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    T_q, T_k = q.shape[2], k.shape[2]
+    mask = None
+    if causal:  # SDPA's is_causal aligns top-left; our queries are the last T_q positions
+        mask = torch.arange(T_k, device=q.device)[None, :] <= torch.arange(T_k - T_q, T_k, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale).to(q.dtype)
+
+
+def assert_close(got, expected, dtype, what):
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= ATOL[dtype], f"{what}: max |error| {err:.2e} exceeds {ATOL[dtype]:.0e} for {dtype}"
+
+
+# (B, H, H_kv, T_q, T_k, D, causal): ragged lengths, prefill chunks (T_q < T_k), decode (T_q = 1),
+# GQA 8/2 and MQA 4/1, B = 2, head dims 16..64
+SHAPES = [
+    (1, 2, 2, 1, 1, 16, True),  # one query, one key
+    (2, 4, 4, 37, 37, 64, True),  # MHA, ragged, causal
+    (2, 4, 4, 37, 37, 64, False),
+    (2, 8, 2, 13, 80, 32, True),  # GQA 8/2: a 13-token chunk after 67 cached positions
+    (2, 8, 2, 50, 50, 32, False),
+    (1, 4, 1, 1, 50, 16, True),  # MQA 4/1 decode: one query sees all 50 keys
+    (2, 4, 1, 1, 33, 64, False),
+    (1, 4, 1, 64, 64, 32, True),  # exact multiples of the tile
+    (2, 2, 1, 5, 71, 16, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}/{}-Tq{}-Tk{}-D{}-{}".format(
+    *s[:6], "causal" if s[6] else "full"))
+def test_flash_attention_matches_reference_and_sdpa(shape, dtype):
+    """flash_attention equals attention_reference and PyTorch's SDPA (K/V repeated per head) at ragged shapes."""
+    B, H, H_kv, T_q, T_k, D, causal = shape
+    q, k, v = random_qkv(B, H, H_kv, T_q, T_k, D, dtype, seed=sum(shape[:6]))
+    got = flash_attention(q, k, v, causal=causal)
+    assert got.shape == (B, H, T_q, D) and got.dtype == dtype, f"output {tuple(got.shape)} {got.dtype}"
+    assert_close(got, attention_reference(q, k, v, causal=causal), dtype, f"vs attention_reference at {shape}")
+    assert_close(got, sdpa(q, k, v, causal), dtype, f"vs scaled_dot_product_attention at {shape}")
+
+
+def test_flash_attention_at_random_shapes():
+    """Twelve shapes drawn at random (seeded): any T_q <= T_k <= 80, groups 1..4, D 16..64, either mask."""
+    rng = torch.Generator().manual_seed(2024)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=rng))
+
+    for i in range(12):
+        T_k = draw(1, 80)
+        T_q, D, H_kv, group, B = draw(1, T_k), 2 ** draw(4, 6), draw(1, 2), draw(1, 4), draw(1, 2)
+        causal, dtype = bool(i % 2), (torch.float32, torch.float16)[i // 2 % 2]
+        q, k, v = random_qkv(B, H_kv * group, H_kv, T_q, T_k, D, dtype, seed=i)
+        shape = f"B={B} H={H_kv * group}/{H_kv} T_q={T_q} T_k={T_k} D={D} causal={causal} {dtype}"
+        assert_close(flash_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal), dtype, shape)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_small_tiles_cross_many_tile_edges(causal):
+    """16x16 tiles: many fully visible tiles, diagonal tiles and a ragged last tile in one call."""
+    q, k, v = random_qkv(2, 4, 2, 45, 77, 32, torch.float32, seed=7)
+    got = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16)
+    assert_close(got, attention_reference(q, k, v, causal=causal), torch.float32, "16x16 tiles")
+
+
+def test_bf16_through_the_interpreter_upcast():
+    """bf16 in, bf16 out (the interpreter's dots upcast to fp32; on a GPU they are bf16 tensor-core dots)."""
+    q, k, v = random_qkv(2, 4, 2, 21, 40, 64, torch.bfloat16, seed=3)
+    got = flash_attention(q, k, v, causal=True)
+    assert got.dtype == torch.bfloat16
+    assert_close(got, attention_reference(q, k, v, causal=True), torch.bfloat16, "bf16")
+
+
+def test_strided_inputs_and_custom_scale():
+    """Views straight out of a fused [B, T, heads, D] projection (non-contiguous) and a non-default scale."""
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(2, 29, 4 + 2 + 2, 32, generator=g).to(DEVICE)  # [B, T, H + 2 H_kv, D]
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([4, 2, 2], dim=2))  # [B, heads, T, D], strided
+    assert not q.is_contiguous() and not k.is_contiguous()
+    for causal in (True, False):
+        got = flash_attention(q, k, v, causal=causal, scale=0.3)
+        assert_close(got, attention_reference(q, k, v, causal=causal, scale=0.3), torch.float32, "strided")
+        assert_close(got, sdpa(q, k, v, causal, scale=0.3), torch.float32, "strided vs SDPA")
+
+
+def test_reference_is_softmax_attention():
+    """attention_reference itself, on one head by hand: row t is the softmax-weighted mean of v[:t+1]."""
+    q, k, v = random_qkv(1, 1, 1, 4, 4, 16, torch.float64, device="cpu")
+    out = attention_reference(q, k, v, causal=True)
+    for t in range(4):
+        w = torch.softmax(q[0, 0, t] @ k[0, 0, : t + 1].T / 4.0, dim=0)
+        torch.testing.assert_close(out[0, 0, t], w @ v[0, 0, : t + 1])
+
+
+def bad_inputs(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = random_qkv(1, 4, 2, 4, 4, 16, torch.float32)
+    if case == "rank":
+        return q[0], k, v  # q without its batch dim
+    if case == "heads":
+        return random_qkv(1, 6, 4, 4, 4, 16, torch.float32)  # 6 query heads over 4 kv heads
+    if case == "mismatched-D":
+        return random_qkv(1, 4, 2, 4, 4, 32, torch.float32)[0], k, v
+    if case == "D48":
+        return random_qkv(1, 4, 2, 4, 4, 48, torch.float32)
+    if case == "dtype":
+        return q.half(), k, v
+    if case == "Tq>Tk":
+        return random_qkv(1, 4, 2, 9, 4, 16, torch.float32)  # causal: the first queries would see nothing
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case, message", [("rank", "4-D"), ("heads", "multiple"), ("mismatched-D", "head_dim"),
+                                           ("D48", "not supported"), ("dtype", "dtype"), ("Tq>Tk", "more queries")])
+def test_bad_inputs_raise_value_error_saying_what_to_do(case, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*bad_inputs(case), causal=True)
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """Compiled for a GPU (no TRITON_INTERPRET), CPU tensors get a ValueError naming the ways out."""
+    monkeypatch.setattr(FA, "_interpreted", lambda: False)
+    q, k, v = random_qkv(1, 2, 2, 4, 4, 16, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 7, 33), (5, 64), (1, 1000)], ids=str)
+def test_fused_add_rms_norm_matches_unfused(shape, dtype):
+    """One kernel gives what add, then RMSNorm in fp32, gives: the sum exactly, the norm to a rounding."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x, residual = (torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(DEVICE, dtype)
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_residual = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
+    assert normed.shape == new_residual.shape == x.shape and normed.dtype == dtype
+    if dtype == torch.bfloat16 and not CUDA:  # the interpreter rounds fp32 -> bf16 toward zero: one ulp
+        torch.testing.assert_close(new_residual, ref_residual, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(new_residual, ref_residual), "x + residual must be exact: it is the residual stream"
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # one rounding of the output
+    if dtype == torch.bfloat16 and not CUDA:
+        tol = 3 * 2**-7  # three roundings toward zero in the interpreter (sum, normalised, output): 3 ulps
+    torch.testing.assert_close(normed, ref_normed, rtol=tol, atol=tol, msg=lambda m: f"normed differs: {m}")
+
+
+def test_fused_add_rms_norm_strided_rows_and_errors():
+    """Rows with a stride (a slice of a wider tensor) work; mismatched shapes raise ValueError."""
+    wide = torch.randn(6, 100).to(DEVICE)
+    x, residual, weight = wide[:, :40], wide[:, 50:90], torch.rand(40).to(DEVICE)
+    got, ref = fused_add_rms_norm(x, residual, weight), fused_add_rms_norm_reference(x, residual, weight)
+    torch.testing.assert_close(got, ref)
+    with pytest.raises(ValueError, match="same shape|one shape"):
+        fused_add_rms_norm(x, residual[:, :20], weight)
+    with pytest.raises(ValueError, match="weight"):
+        fused_add_rms_norm(x, residual, weight[:10])
+
+
+def test_model_keeps_pytorch_attention_on_cpu(monkeypatch):
+    """On the CPU the model never dispatches to Triton; the CAUSAL fallback equals the explicit mask."""
+    from minillm.model import CAUSAL, attention_mask, grouped_query_attention, use_triton_attention
+
+    q, k, v = random_qkv(2, 4, 2, 6, 10, 16, torch.float32, device="cpu")
+    assert not use_triton_attention(q, 16), "CPU tensors must take the PyTorch path"
+    mask = attention_mask(torch.arange(4, 10).expand(2, -1), torch.arange(10).expand(2, -1))
+    torch.testing.assert_close(grouped_query_attention(q, k, v, CAUSAL), grouped_query_attention(q, k, v, mask))
+    monkeypatch.setattr(minillm.kernels, "flash_attention", lambda *a, **kw: pytest.fail("kernel called on CPU"))
+    torch.testing.assert_close(grouped_query_attention(q, k, v, CAUSAL), attention_reference(q, k, v), atol=1e-5,
+                               rtol=1e-5)
+
+
+# ---------------------------------------------------------------- CUDA only: real lengths, bf16, dispatch
+
+
+@cuda_only
+@pytest.mark.parametrize("T_q, T_k, D, H, H_kv", [(1000, 1000, 64, 8, 2), (4096, 4096, 128, 4, 4),
+                                                  (300, 1000, 128, 8, 1), (1000, 1000, 16, 2, 2),
+                                                  (777, 777, 256, 4, 2), (1, 4096, 64, 8, 2)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_bf16_long_sequences_match_sdpa(T_q, T_k, D, H, H_kv, causal):  # noqa: N803
+    """bf16 on the GPU's tensor cores, at T = 1000 and 4096, against SDPA in fp32."""
+    q, k, v = random_qkv(2, H, H_kv, T_q, T_k, D, torch.bfloat16, device="cuda")
+    got = flash_attention(q, k, v, causal=causal)
+    assert_close(got, sdpa(q, k, v, causal), torch.bfloat16, f"bf16 T_q={T_q} T_k={T_k} D={D}")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cuda_fp32_fp16(dtype):
+    q, k, v = random_qkv(2, 8, 2, 333, 1000, 64, dtype, device="cuda")
+    assert_close(flash_attention(q, k, v), sdpa(q, k, v, True), dtype, f"cuda {dtype}")
+
+
+@cuda_only
+def test_model_prefill_dispatches_to_triton_on_cuda(monkeypatch):
+    """Transformer prefill on CUDA runs the kernel (one call per layer) and agrees with MINILLM_TRITON=0,
+    for a whole prompt and for a chunk appended to a KV cache."""
+    from conftest import random_hf_model
+
+    import minillm
+    from minillm import KVCache
+
+    hf = random_hf_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    model = minillm.from_transformers(hf).to("cuda", torch.bfloat16)
+    tokens = torch.randint(0, 320, (2, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    calls = []
+    kernel = minillm.kernels.flash_attention
+    monkeypatch.setattr(minillm.kernels, "flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+
+    def run(chunked: bool) -> torch.Tensor:
+        with torch.no_grad():
+            if not chunked:
+                return model(tokens).float()
+            cache = KVCache(model.config, 2, 128, device="cuda", dtype=torch.bfloat16)
+            return torch.cat([model(tokens[:, :60], cache=cache), model(tokens[:, 60:], cache=cache)], 1).float()
+
+    for chunked in (False, True):
+        calls.clear()
+        monkeypatch.delenv("MINILLM_TRITON", raising=False)
+        got = run(chunked)
+        assert len(calls) == model.config.n_layers * (2 if chunked else 1), f"kernel ran {len(calls)} times"
+        monkeypatch.setenv("MINILLM_TRITON", "0")
+        calls.clear()
+        expected = run(chunked)
+        assert not calls, "MINILLM_TRITON=0 must keep the PyTorch path"
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel < 2e-2, f"Triton vs PyTorch attention logits differ by {rel:.2e} (relative L2), chunked={chunked}"
