@@ -13,6 +13,11 @@ fraction of the datasheet bandwidth (MBU) or FLOP/s (MFU) the measured time impl
 steps run against a cache whose first `context` positions are marked filled (their values do
 not change the time). Times are medians of repeated runs after a warm-up, synchronised on CUDA.
 
+On CUDA each step is timed twice: run eagerly from Python, and replayed as a CUDA graph. The
+graph time (`step_ms`, `prefill_ms`) is the GPU's own time for the work, the number the roofline
+predicts; the eager time (`eager_step_ms`) adds the host's cost of launching ~15 kernels per
+layer one by one, which on a fast GPU can exceed the work itself.
+
     python benchmarks/phases.py --device cuda              # llama-3-8b, bf16 -> results/phases_cuda_llama-3-8b.json
     python benchmarks/phases.py --device cpu --model shipped --batches 1 2 4 --contexts 64 128 \
         --prompt-lens 64 128 --decode-context 64         # a quick CPU run of the shipped model
@@ -68,6 +73,23 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int, wa
     return statistics.median(times)
 
 
+def graph_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one replay of `fn` captured as a CUDA graph: the GPU's time for the work,
+    without the Python and kernel-launch overhead of running it eagerly (what serving engines do)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocations, autotuning)
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    seconds = median_time(graph.replay, torch.device("cuda"), repeats)
+    del graph
+    return seconds
+
+
 def measured_ceilings(device: torch.device, dtype: torch.dtype) -> dict:
     """The two roofs as this machine reaches them: a large matrix product and a large copy.
 
@@ -86,8 +108,9 @@ def measured_ceilings(device: torch.device, dtype: torch.dtype) -> dict:
             "copy_gbs": 2 * src.numel() * src.element_size() / cp / 1e9}
 
 
-def decode_step_seconds(model: Transformer, batch: int, context: int, repeats: int) -> float:
-    """Median time of one decode step for `batch` sequences that each hold `context` tokens."""
+def decode_step_seconds(model: Transformer, batch: int, context: int, repeats: int) -> tuple[float, float | None]:
+    """Median time of one decode step for `batch` sequences that each hold `context` tokens:
+    (run eagerly, replayed as a CUDA graph or None on the CPU)."""
     cache = KVCache(model.config, batch, context + 1, model.device, model.dtype)
     token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
 
@@ -95,11 +118,12 @@ def decode_step_seconds(model: Transformer, batch: int, context: int, repeats: i
         cache.seq_len = context  # the same position every time: a cache of `context` tokens
         decode_one_token(model, token, cache)
 
-    return median_time(step, model.device, repeats)
+    eager = median_time(step, model.device, repeats)
+    return eager, graph_time(step, repeats) if model.device.type == "cuda" else None
 
 
-def prefill_seconds(model: Transformer, prompt_len: int, repeats: int) -> float:
-    """Median time to prefill one prompt of `prompt_len` tokens into a fresh cache."""
+def prefill_seconds(model: Transformer, prompt_len: int, repeats: int) -> tuple[float, float | None]:
+    """Median time to prefill one prompt of `prompt_len` tokens into a fresh cache: (eager, graph or None)."""
     cache = KVCache(model.config, 1, prompt_len, model.device, model.dtype)
     tokens = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=model.device,
                            generator=torch.Generator(model.device).manual_seed(0))
@@ -108,7 +132,8 @@ def prefill_seconds(model: Transformer, prompt_len: int, repeats: int) -> float:
         cache.reset()
         prefill(model, tokens, cache)
 
-    return median_time(run, model.device, repeats)
+    eager = median_time(run, model.device, repeats)
+    return eager, graph_time(run, repeats) if model.device.type == "cuda" else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,25 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     bits = dtype_bytes * 8
     batch_rows = []
     for batch in args.batches:
-        s = decode_step_seconds(model, batch, args.decode_context, args.repeats)
+        eager, graph = decode_step_seconds(model, batch, args.decode_context, args.repeats)
+        s = graph or eager
         step = metrics.decode_step_time(config, gpu, args.decode_context, batch, bits, dtype_bytes)
         batch_rows.append({"batch": batch, "context": args.decode_context, "step_ms": s * 1e3,
-                           "tokens_per_s": batch / s, **roofline(step, s)})
+                           "eager_step_ms": eager * 1e3, "tokens_per_s": batch / s, **roofline(step, s)})
         print(f"decode  batch {batch:>4} ctx {args.decode_context:>5}: {s * 1e3:8.2f} ms/step "
-              f"{batch / s:>10,.0f} tok/s", flush=True)
+              f"(eager {eager * 1e3:6.2f}) {batch / s:>10,.0f} tok/s", flush=True)
     context_rows = []
     for batch in args.context_batches:
         for context in args.contexts:
-            s = decode_step_seconds(model, batch, context, args.repeats)
+            eager, graph = decode_step_seconds(model, batch, context, args.repeats)
+            s = graph or eager
             step = metrics.decode_step_time(config, gpu, context, batch, bits, dtype_bytes)
-            context_rows.append({"batch": batch, "context": context, "step_ms": s * 1e3, **roofline(step, s)})
-            print(f"decode  batch {batch:>4} ctx {context:>5}: {s * 1e3:8.2f} ms/step", flush=True)
+            context_rows.append({"batch": batch, "context": context, "step_ms": s * 1e3, "eager_step_ms": eager * 1e3,
+                                 **roofline(step, s)})
+            print(f"decode  batch {batch:>4} ctx {context:>5}: {s * 1e3:8.2f} ms/step (eager {eager * 1e3:6.2f})",
+                  flush=True)
     prefill_rows = []
     for n in args.prompt_lens:
-        s = prefill_seconds(model, n, max(3, args.repeats // 2))
+        eager, graph = prefill_seconds(model, n, max(3, args.repeats // 2))
+        s = graph or eager
         step = metrics.prefill_time(config, gpu, n, 1, bits, dtype_bytes)
-        prefill_rows.append({"prompt_len": n, "prefill_ms": s * 1e3, "tokens_per_s": n / s, **roofline(step, s)})
-        print(f"prefill {n:>5} tokens: {s * 1e3:8.2f} ms {n / s:>10,.0f} tok/s", flush=True)
+        prefill_rows.append({"prompt_len": n, "prefill_ms": s * 1e3, "eager_prefill_ms": eager * 1e3,
+                             "tokens_per_s": n / s, **roofline(step, s)})
+        print(f"prefill {n:>5} tokens: {s * 1e3:8.2f} ms (eager {eager * 1e3:6.2f}) {n / s:>10,.0f} tok/s", flush=True)
 
     results = {
         "benchmark": "prefill vs decode: step time vs batch, context and prompt length, against the roofline",
