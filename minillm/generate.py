@@ -19,7 +19,7 @@ import torch
 
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.sampling import SamplingParams, sample
+from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -29,13 +29,17 @@ class StreamChunk:
 
     `text` is the text this token completes ('' when it ends mid-character, when the text is
     held back because it may begin a stop string, or without a tokenizer). `finish_reason` is
-    set on the last chunk only: "stop" (EOS or a stop string) or "length" (max_tokens).
+    set on the last chunk only: "stop" (EOS or a stop string) or "length" (max_tokens). With
+    `params.logprobs` set, `logprob` is the token's log-probability under the model's raw distribution
+    and `top_logprobs` maps the `params.logprobs` most likely ids to theirs.
     """
 
     token_id: int
     text: str
     time_s: float  # seconds since the call started
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
 
 
 @dataclass
@@ -47,6 +51,8 @@ class GenerationOutput:
     text: str | None  # generated text, stop string excluded (None without a tokenizer)
     finish_reason: str  # "stop" or "length"
     token_times_s: list[float] = field(repr=False)  # when each token was ready, since the call began
+    logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
+    top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
 
     @property
     def ttft_s(self) -> float:
@@ -194,9 +200,15 @@ def _stream(
             sequence = torch.cat([sequence, tok], dim=1)
             return prefill(model, sequence, None)  # the whole sequence, every step
 
+    output: list[int] = []  # the generated ids, for the penalties
     for n in range(1, params.max_tokens + 1):
-        token = sample(logits, params, generator)  # [1]
+        token = sample(logits, params, generator, prompt_ids=[ids], output_ids=[output])  # [1]
         token_id = int(token.item())  # waits for the device: the token is really ready
+        output.append(token_id)
+        logprob, top_logprobs = None, None
+        if params.logprobs is not None:
+            lp = compute_logprobs(logits, token, params.logprobs)
+            logprob, top_logprobs = float(lp.logprobs[0]), dict(zip(*lp.top_logprobs[0]))
         text, stopped = "", False
         if decoder is not None:
             text, stopped = stops.feed(decoder.push(token_id))
@@ -207,7 +219,7 @@ def _stream(
             finish = "length"
         if finish is not None and not stopped:
             text += stops.flush()
-        yield StreamChunk(token_id, text, time.perf_counter() - start, finish)
+        yield StreamChunk(token_id, text, time.perf_counter() - start, finish, logprob, top_logprobs)
         if finish is not None:
             return
         logits = step(token[:, None])
@@ -236,6 +248,8 @@ def generate(
         text="".join(c.text for c in chunks) if tokenizer is not None else None,
         finish_reason=chunks[-1].finish_reason or "length",
         token_times_s=[c.time_s for c in chunks],
+        logprobs=[c.logprob for c in chunks] if params.logprobs is not None else None,
+        top_logprobs=[c.top_logprobs for c in chunks] if params.logprobs is not None else None,
     )
 
 
