@@ -6,6 +6,7 @@
     print(out.text)
 """
 
+from minillm.beam import beam_search
 from minillm.checkpoints import (
     DEFAULT_DRAFT,
     DEFAULT_MODEL,
@@ -19,6 +20,7 @@ from minillm.config import ModelConfig
 from minillm.generate import GenerationOutput, StreamChunk, generate, generate_no_cache, generate_stream
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
+from minillm.parallel_sampling import generate_n
 from minillm.sampling import SamplingParams, sample
 from minillm.tokenizer import Tokenizer
 
@@ -34,8 +36,10 @@ __all__ = [
     "StreamChunk",
     "Tokenizer",
     "Transformer",
+    "beam_search",
     "from_transformers",
     "generate",
+    "generate_n",
     "generate_no_cache",
     "generate_stream",
     "list_models",

@@ -117,6 +117,15 @@ def prepare_prompt(
     return ids
 
 
+def check_one_completion(params: SamplingParams) -> None:
+    """`generate` returns one completion: refuse n or best_of > 1 rather than drop the others silently."""
+    if params.n > 1 or (params.best_of or 1) > 1:
+        raise ValueError(
+            f"generate returns one completion, but params asks for n={params.n}, best_of={params.best_of}: "
+            "use minillm.generate_n for several completions of one prompt."
+        )
+
+
 class StopStringMatcher:
     """Finds stop strings in streamed text, across token boundaries.
 
@@ -164,6 +173,7 @@ def generate_stream(
     With `use_cache=False` every step recomputes the whole sequence (the reference loop).
     """
     params = params or SamplingParams()
+    check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
     return _stream(model, ids, params, tokenizer, use_cache, start)
@@ -239,6 +249,7 @@ def generate(
         >>> out.text, out.finish_reason, out.ttft_s, out.decode_tokens_per_s
     """
     params = params or SamplingParams()
+    check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
     chunks = list(_stream(model, ids, params, tokenizer, use_cache, start))

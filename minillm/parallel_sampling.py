@@ -1,0 +1,153 @@
+"""Parallel sampling: n completions of one prompt from one prefill, as `SamplingParams(n, best_of)` asks (chapter 01).
+
+Sampling the same prompt several times need not run the prompt several times. The prompt is
+prefilled once, its KV cache row is copied into a batch of best_of rows, and the rows decode
+together, one batched step per token:
+
+    prompt ─ prefill (1 row) ─► logits ─ fork the cache into best_of rows
+    repeat: sample one token per row (row i with its own generator, seeded seed + i)
+            rows that finish (EOS, stop string, max_tokens) leave the batch
+            decode_one_token on the rows still running
+    rank the best_of completions by cumulative log-probability, return the n best
+
+This is vLLM's `best_of` (in its v0 engine and the OpenAI completions API): best_of sequences are
+generated, the n with the highest cumulative log-probability are returned. The log-probabilities
+are those `compute_logprobs` reports, log_softmax of the raw logits before temperature, top-k/p or
+penalties: how likely the model found each token, not how likely the sampler was to pick it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minillm.beam import default_eos_ids, select_cache_rows
+from minillm.generate import GenerationOutput, StopStringMatcher, decode_one_token, prefill, prepare_prompt
+from minillm.kv_cache import KVCache
+from minillm.model import Transformer
+from minillm.sampling import SamplingParams, compute_logprobs, sample
+from minillm.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class CompletionOutput(GenerationOutput):
+    """One of the completions `generate_n` returns: a `GenerationOutput` plus vLLM's two extra fields.
+
+    `logprobs` is always filled (the ranking needs it); `top_logprobs` only with `params.logprobs`.
+    """
+
+    index: int = 0  # the row that generated it; row i samples with seed + i
+    cumulative_logprob: float = 0.0  # the sum of `logprobs`
+
+
+class _Row:
+    """One completion being generated: its tokens, text and log-probabilities so far."""
+
+    def __init__(self, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.stops = StopStringMatcher(params.stop)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.times: list[float] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def push(self, token_id: int, logprob: float, top: dict[int, float], time_s: float, eos: set[int],
+             last: bool) -> None:
+        """Add one sampled token; set `finish_reason` if it ends the row (the rules of `generate`)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.times.append(time_s)
+        stopped = False
+        if self.decoder is not None:
+            text, stopped = self.stops.feed(self.decoder.push(token_id))
+            self.text += text
+        if stopped or token_id in eos:
+            self.finish_reason = "stop"
+        elif last:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not stopped:
+            self.text += self.stops.flush()
+
+
+def generate_n(
+    model: Transformer,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> list[CompletionOutput]:
+    """Sample params.best_of completions of `prompt` in one batch; return the params.n most likely (chapter 01).
+
+    Row i draws from its own generator seeded params.seed + i, so it samples exactly the tokens
+    `generate(model, prompt, replace(params, seed=seed + i))` samples (up to the last bits of
+    batched arithmetic; see tests/test_test_time.py), and results are reproducible. Without a seed
+    every row draws from torch's global generator.
+
+    Args:
+        model: the model.
+        prompt: text (with a tokenizer) or token ids.
+        params: sampling parameters; best_of (default n) rows are generated, n returned.
+        tokenizer: encodes a text prompt, decodes the completions, matches stop strings.
+    Returns:
+        n `CompletionOutput`s, highest cumulative log-probability first (ties: lower index first).
+    """
+    params = params or SamplingParams()
+    start = time.perf_counter()
+    ids = prepare_prompt(model, prompt, params, tokenizer)
+    best_of = params.best_of or params.n
+    device = model.device
+    eos = set() if params.ignore_eos else default_eos_ids(model, tokenizer)
+    rows = [_Row(ids, tokenizer, params) for _ in range(best_of)]
+    generators = [
+        torch.Generator(device=device).manual_seed(params.seed + i) if params.seed is not None else None
+        for i in range(best_of)
+    ]
+
+    cache = KVCache(model.config, 1, len(ids) + params.max_tokens, device, model.dtype)
+    logits = prefill(model, torch.tensor([ids], device=device), cache)  # [1, V]
+    select_cache_rows(cache, torch.zeros(best_of, dtype=torch.long, device=device))  # one prompt, best_of rows
+    logits = logits.expand(best_of, -1)  # [best_of, V]
+    running = list(range(best_of))  # which row each batch position holds
+    for step in range(1, params.max_tokens + 1):
+        tokens = sample(
+            logits, params, [generators[r] for r in running],
+            prompt_ids=[ids] * len(running), output_ids=[rows[r].token_ids for r in running],
+        )  # [len(running)]
+        lp = compute_logprobs(logits, tokens, params.logprobs or 0)
+        now = time.perf_counter() - start
+        for j, r in enumerate(running):
+            top = dict(zip(*lp.top_logprobs[j]))
+            rows[r].push(int(tokens[j]), float(lp.logprobs[j]), top, now, eos, step == params.max_tokens)
+        still = [j for j, r in enumerate(running) if rows[r].finish_reason is None]
+        if not still:
+            break
+        if len(still) < len(running):  # finished rows leave the batch
+            keep = torch.tensor(still, device=device)
+            select_cache_rows(cache, keep)
+            tokens, running = tokens[keep], [running[j] for j in still]
+        logits = decode_one_token(model, tokens[:, None], cache)
+
+    outputs = [_output(i, row, ids, tokenizer, params) for i, row in enumerate(rows)]
+    outputs.sort(key=lambda o: -o.cumulative_logprob)  # a stable sort: ties keep the lower index first
+    return outputs[: params.n]
+
+
+def _output(
+    index: int, row: _Row, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams
+) -> CompletionOutput:
+    """A finished row as a `CompletionOutput`."""
+    return CompletionOutput(
+        prompt_token_ids=prompt_ids,
+        token_ids=row.token_ids,
+        text=row.text if tokenizer is not None else None,
+        finish_reason=row.finish_reason or "length",
+        token_times_s=row.times,
+        logprobs=row.logprobs,
+        top_logprobs=row.top_logprobs if params.logprobs is not None else None,
+        index=index,
+        cumulative_logprob=sum(row.logprobs),
+    )
