@@ -206,15 +206,20 @@ class Visit:
         self.settle()
 
     def settle(self) -> None:
-        """Wait until the network is quiet and MathJax (if the page loads it) has typeset the page."""
-        self.page.wait_for_load_state("networkidle")
+        """Wait until the page has loaded, MathJax (if the page loads it) has typeset it, and its fonts and
+        images are in. These are the page's own signals; Playwright's "networkidle" is a timing guess
+        (no request for 500 ms) that its docs discourage, and it hung here on a page that was done."""
+        self.page.wait_for_load_state("load")
         self.page.evaluate("""async () => {
-            if (window.MathJax === undefined) return;
-            for (let i = 0; i < 100 && !(MathJax.startup && MathJax.startup.promise); i++)
-                await new Promise(r => setTimeout(r, 50));
-            await MathJax.startup.promise;
+            if (window.MathJax !== undefined) {
+                for (let i = 0; i < 100 && !(MathJax.startup && MathJax.startup.promise); i++)
+                    await new Promise(r => setTimeout(r, 50));
+                await MathJax.startup.promise;
+            }
+            await document.fonts.ready;
+            const pending = Array.from(document.images).filter(i => !i.complete);
+            await Promise.all(pending.map(i => new Promise(r => { i.onload = r; i.onerror = r; })));
         }""")
-        self.page.wait_for_load_state("networkidle")
 
     def images(self) -> list[dict]:
         return self.page.evaluate(
