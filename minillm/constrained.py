@@ -810,7 +810,7 @@ class TokenIndex:
     Built once per (pattern, tokenizer); `build_time_s` says how long that took.
 
     The dense mask costs n_states x V bytes (here at most a few MB). With 128k-token vocabularies and
-    large grammars, engines pack it into bits (32x smaller) or compute rows on demand.
+    large grammars, engines pack it into bits (8x smaller than these one-byte bools) or compute rows on demand.
     """
 
     def __init__(self, dfa: RegexDFA, token_bytes: Sequence[bytes | None], eos_token_ids: Iterable[int]) -> None:

@@ -74,6 +74,42 @@ def test_wrong_answers_fail_with_a_hint_that_fits_the_mistake():
     assert not result.passed and result.results[0].passed  # position 0 is the identity either way
 
 
+def test_beam_step_mistakes_get_hints_that_fit_them():
+    def per_beam_top_k(logprobs, beam_scores, num_beams, num_candidates=None):  # each beam supplies k / num_beams
+        k = num_candidates or 2 * num_beams
+        values, tokens = (beam_scores[:, None] + logprobs).topk(k // num_beams, dim=-1)
+        parents = torch.arange(num_beams)[:, None].expand_as(tokens)
+        scores, order = values.flatten().sort(descending=True)
+        return scores, parents.flatten()[order], tokens.flatten()[order]
+
+    def no_cumulative_score(logprobs, beam_scores, num_beams, num_candidates=None):
+        scores, flat = logprobs.flatten().topk(num_candidates or 2 * num_beams)
+        return scores, flat // logprobs.shape[-1], flat % logprobs.shape[-1]
+
+    def index_by_num_beams(logprobs, beam_scores, num_beams, num_candidates=None):
+        scores, flat = (beam_scores[:, None] + logprobs).flatten().topk(num_candidates or 2 * num_beams)
+        return scores, flat % num_beams, flat // num_beams
+
+    def only_num_beams(logprobs, beam_scores, num_beams, num_candidates=None):
+        scores, flat = (beam_scores[:, None] + logprobs).flatten().topk(num_beams)
+        return scores, flat // logprobs.shape[-1], flat % logprobs.shape[-1]
+
+    def worst_first(logprobs, beam_scores, num_beams, num_candidates=None):
+        scores, flat = (beam_scores[:, None] + logprobs).flatten().topk(num_candidates or 2 * num_beams)
+        return scores.flip(0), flat.flip(0) // logprobs.shape[-1], flat.flip(0) % logprobs.shape[-1]
+
+    for wrong, words in [(per_beam_top_k, "flatten"), (no_cumulative_score, "beam_scores[b] + logprobs[b, t]"),
+                         (index_by_num_beams, "parent = flat // V"), (only_num_beams, "2 * num_beams"),
+                         (worst_first, "best first")]:
+        result = run_task("01.beam_step", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed, wrong.__name__
+        assert all(words in r.hint for r in failed), (wrong.__name__, repr(result))
+    by_name = {r.name: r for r in run_task("01.beam_step", no_cumulative_score).results}
+    first = by_name["the first step: every beam is the prompt, scores [0, -1e9, -1e9]"]
+    assert "-1e9" in first.hint and "copy of the prompt" in first.hint
+
+
 def test_a_crash_in_the_readers_code_is_summarised_with_their_line():
     def reader(config):
         total = config.dim * config.n_layers

@@ -2,7 +2,7 @@
 beam search, and one step of a regex-constrained logits mask.
 
 Each task's tests compare the reader's function with minillm's own (`minillm.sampling`,
-`minillm.beam`, `minillm.constrained`).
+`minillm.beam`, `minillm.constrained`) and, on a mismatch, name the likely mistake in the hint.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from minillm import sampling
+from minillm.beam import NO_BEAM, beam_step
 from minillm.constrained import RegexDFA, TokenIndex, vocabulary_bytes
 from minillm.grading.check import MismatchError, expect_close, register_task
 
@@ -200,6 +201,142 @@ def _(fn: Callable) -> None:
 @repetition_penalty.test("penalty 1 changes nothing")
 def _(fn: Callable) -> None:
     _check_penalty(fn, _logits(9, (2, 16)), [[1, 5], [2]], 1.0, "apply_repetition_penalty(logits, ..., 1.0)")
+
+
+# ---- 01.beam_step -----------------------------------------------------------------------------------
+
+
+def reference_beam_step(logprobs: torch.Tensor, beam_scores: torch.Tensor, num_beams: int,
+                        num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best candidates over every (beam, token) pair, scored beam_scores[b] + logprobs[b, t]:
+    (next_scores [K] best first, parent_idx [K], token_idx [K]), K = num_candidates or 2 x num_beams."""
+    return beam_step(logprobs, beam_scores, num_beams, num_candidates)
+
+
+beam = register_task(
+    "01.beam_step",
+    "beam_step(logprobs: Tensor[num_beams, V], beam_scores: Tensor[num_beams], num_beams: int, "
+    "num_candidates: int | None = None) -> (next_scores[K], parent_idx[K], token_idx[K])",
+    reference=reference_beam_step,
+)
+
+FLATTEN_HINT = ("rank all num_beams x V candidates together: add beam_scores[:, None] to logprobs, flatten to "
+                "[num_beams * V] and take the topk of that. The top tokens of each beam taken separately miss the "
+                "best candidates when one strong beam should supply most (or all) of them.")
+INDEX_HINT = ("in the flattened [num_beams * V] candidates, (beam b, token t) sits at b * V + t, so parent = flat // V "
+              "and token = flat % V, with V = logprobs.shape[-1], the vocabulary size (not num_beams).")
+CUMULATIVE_HINT = ("a candidate's score is its beam's cumulative log-probability plus the token's: "
+                   "beam_scores[b] + logprobs[b, t]. The next token's log-probability alone forgets the past.")
+FIRST_STEP_NOTE = (" At the first step every beam is a copy of the prompt; the others start at -1e9 so that adding "
+                   "their score keeps their candidates, the same tokens as beam 0's, out of the top.")
+
+
+def _logprobs(seed: int, shape: tuple[int, int], scale: float = 2.0) -> torch.Tensor:
+    """Random next-token log-probabilities, one row per beam (no ties)."""
+    return _logits(seed, shape, scale).log_softmax(dim=-1)
+
+
+def _rounded(x: torch.Tensor) -> str:
+    return str([round(v, 3) for v in x.tolist()])
+
+
+def _candidates(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> str:
+    shown = [f"(beam {p}, token {t}: {s:.3f})" for p, t, s in zip(parents.tolist(), tokens.tolist(), scores.tolist())]
+    return ", ".join(shown[:4]) + (" ..." if len(shown) > 4 else "")
+
+
+def _check_beam_step(fn: Callable, logprobs: torch.Tensor, beam_scores: torch.Tensor, num_beams: int,
+                     num_candidates: int | None, what: str, first_step: bool = False) -> None:
+    """Compare the reader's beam_step with the reference and name the likely mistake on a mismatch."""
+    note = FIRST_STEP_NOTE if first_step else ""
+    args = (logprobs.clone(), beam_scores.clone(), num_beams) + (() if num_candidates is None else (num_candidates,))
+    got = fn(*args)
+    exp_scores, exp_parents, exp_tokens = reference_beam_step(logprobs, beam_scores, num_beams, num_candidates)
+    k = len(exp_scores)
+    if not (isinstance(got, (tuple, list)) and len(got) == 3 and all(isinstance(x, torch.Tensor) for x in got)):
+        came = f"a {type(got).__name__}"
+        if isinstance(got, (tuple, list)):
+            came += f" of {len(got)}: " + ", ".join(type(x).__name__ for x in got)
+        raise MismatchError(what, "a tuple of three tensors (next_scores, parent_idx, token_idx)", came,
+                            "return the three as torch tensors; topk's values and indices give all of them.")
+    scores, parents, tokens = (x.detach() for x in got)
+    if any(x.shape != (k,) for x in (scores, parents, tokens)):
+        shapes = ", ".join(str(tuple(x.shape)) for x in (scores, parents, tokens))
+        raise MismatchError(what, f"three tensors of shape ({k},)", f"shapes {shapes}",
+                            "return num_candidates candidates, 2 * num_beams when it is None: up to num_beams of "
+                            "them may end in EOS, and num_beams must still be left to continue.")
+    if parents.is_floating_point() or tokens.is_floating_point():
+        raise MismatchError(what, "integer parent_idx and token_idx", f"dtypes {parents.dtype}, {tokens.dtype}",
+                            "use integer division, flat // V: flat / V gives floats. " + INDEX_HINT)
+    scores, parents, tokens = scores.float(), parents.long(), tokens.long()
+    indices_right = torch.equal(parents, exp_parents) and torch.equal(tokens, exp_tokens)
+    if torch.allclose(scores, exp_scores, atol=1e-5, rtol=1e-5) and not indices_right:
+        raise MismatchError(what, f"(parent, token) pairs {_candidates(exp_parents, exp_tokens, exp_scores)}",
+                            _candidates(parents, tokens, scores), "the scores are right but not the indices: " +
+                            INDEX_HINT)
+    num_rows, vocab = logprobs.shape
+    if not (0 <= parents.min() and parents.max() < num_rows and 0 <= tokens.min() and tokens.max() < vocab):
+        raise MismatchError(what, f"parents in [0, {num_rows}) and tokens in [0, {vocab})",
+                            f"parents {parents.tolist()}, tokens {tokens.tolist()}", INDEX_HINT)
+    own = beam_scores[parents] + logprobs[parents, tokens]  # what each returned candidate should score
+    if not torch.allclose(scores, own, atol=1e-5, rtol=1e-5):
+        if torch.allclose(scores, logprobs[parents, tokens], atol=1e-5, rtol=1e-5):
+            hint = CUMULATIVE_HINT + note
+        else:
+            hint = "next_scores[i] must be beam_scores[parent_idx[i]] + logprobs[parent_idx[i], token_idx[i]]." + note
+        raise MismatchError(what, f"for your own (parent, token) pairs, scores {_rounded(own)}", _rounded(scores),
+                            hint)
+    mine = set(zip(parents.tolist(), tokens.tolist()))
+    missed = [i for i, pair in enumerate(zip(exp_parents.tolist(), exp_tokens.tolist())) if pair not in mine]
+    if missed:
+        i = missed[0]
+        by_token_alone = logprobs.reshape(-1).topk(k).indices
+        if mine == set(zip((by_token_alone // vocab).tolist(), (by_token_alone % vocab).tolist())):
+            hint = "you ranked the candidates by the next token's log-probability alone: " + CUMULATIVE_HINT + note
+        else:
+            hint = FLATTEN_HINT + note
+        raise MismatchError(what, f"beam {int(exp_parents[i])}, token {int(exp_tokens[i])} (score "
+                                  f"{float(exp_scores[i]):.3f}) among the best {k}",
+                            f"candidates without it (your worst score: {float(scores.min()):.3f})", hint)
+    if not bool((scores[:-1] >= scores[1:]).all()):
+        raise MismatchError(what, f"scores best first {_rounded(exp_scores)}", _rounded(scores),
+                            "the right candidates in the wrong order: sort them best first (topk does, by default); "
+                            "the caller takes the first num_beams that do not end.")
+    expect_close(scores, exp_scores, what, "return the scores best first.")
+
+
+@beam.test("matches minillm on 4 beams over 50 tokens (2 x num_beams candidates by default)")
+def _(fn: Callable) -> None:
+    _check_beam_step(fn, _logprobs(10, (4, 50)), torch.tensor([-2.1, -2.6, -3.4, -5.0]), 4, None,
+                     "beam_step(logprobs [4, 50], beam_scores, num_beams=4)")
+
+
+@beam.test("a strong beam supplies every candidate: beam scores -1, -40, -45")
+def _(fn: Callable) -> None:
+    _check_beam_step(fn, _logprobs(11, (3, 20)), torch.tensor([-1.0, -40.0, -45.0]), 3, None,
+                     "beam_step(logprobs [3, 20], [-1, -40, -45], num_beams=3)")
+
+
+@beam.test("the cumulative score decides: a weak beam's confident token loses to a strong beam's")
+def _(fn: Callable) -> None:
+    logprobs = torch.stack([(_logits(12, (1, 12))[0] * 0.1).log_softmax(-1),  # beam 0: flat, about -2.5 each
+                            torch.tensor([6.0] + [-2.0] * 11).log_softmax(-1),  # beam 1: token 0 at about -0.004
+                            _logprobs(13, (1, 12))[0]])
+    _check_beam_step(fn, logprobs, torch.tensor([-0.5, -6.0, -3.0]), 3, None,
+                     "beam_step(logprobs [3, 12], [-0.5, -6, -3], num_beams=3)")
+
+
+@beam.test("the first step: every beam is the prompt, scores [0, -1e9, -1e9]")
+def _(fn: Callable) -> None:
+    logprobs = _logprobs(14, (1, 30)).expand(3, -1).contiguous()  # three copies of the prompt's distribution
+    _check_beam_step(fn, logprobs, torch.tensor([0.0, NO_BEAM, NO_BEAM]), 3, None,
+                     "beam_step(the prompt's logprobs x 3, [0, -1e9, -1e9], num_beams=3)", first_step=True)
+
+
+@beam.test("num_candidates = 3 x num_beams (as with two EOS ids), over a 7-token vocabulary")
+def _(fn: Callable) -> None:
+    _check_beam_step(fn, _logprobs(15, (2, 7)), torch.tensor([-1.2, -1.5]), 2, 6,
+                     "beam_step(logprobs [2, 7], [-1.2, -1.5], num_beams=2, num_candidates=6)")
 
 
 # ---- 01.regex_mask ----------------------------------------------------------------------------------
