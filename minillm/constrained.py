@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from minillm.generate import decode_one_token, prefill, prepare_prompt
 from minillm.kv_cache import KVCache
@@ -777,13 +778,13 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def vocabulary_bytes(tokenizer: Tokenizer) -> list[bytes | None]:
+def vocabulary_bytes(tokenizer: Tokenizer | HFTokenizer) -> list[bytes | None]:
     """The raw bytes of every token id of a byte-level BPE tokenizer; None for special tokens.
 
     A byte-level vocabulary stores 'Ġthe' for b' the'; we map each symbol back to its byte. Special
     tokens (<s>, </s>) are control signals, not text, so they never match a pattern.
     """
-    hf = getattr(tokenizer, "_tok", tokenizer)  # minillm's Tokenizer wraps a `tokenizers.Tokenizer`
+    hf = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer  # or a `tokenizers.Tokenizer`
     if type(hf.decoder).__name__ != "ByteLevel":
         raise ValueError(f"constrained decoding needs a byte-level BPE tokenizer; this one decodes with {hf.decoder}.")
     to_byte = {symbol: byte for byte, symbol in bytes_to_unicode().items()}

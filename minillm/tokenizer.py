@@ -28,6 +28,12 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), bos_token_id, eos_token_ids)
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer`: its vocabulary, decoder and added tokens, for code that needs
+        more than encode/decode (constrained decoding reads every token's bytes from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
