@@ -34,7 +34,7 @@ def test_every_file_a_written_chapter_names_exists(chapter):
 
 
 def test_every_drill_id_exists():
-    from minillm.grading.drills import load_drills
+    from minillm.grading import load_drills
 
     ids = {d.id for d in load_drills()}
     for chapter in BOOK.chapters:

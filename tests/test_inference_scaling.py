@@ -1,4 +1,4 @@
-"""Parallel sampling (`minillm.parallel_sampling.generate_n`) and test-time scaling (`minillm.test_time`).
+"""Parallel sampling (`minillm.parallel_sampling.generate_n`) and test-time scaling (`minillm.inference_scaling`).
 
 `generate_n` batches best_of rows after one prefill. Row i must sample the tokens `generate` samples with
 seed + i: the generators are the same, and the logits agree to a few 1e-6 (a batched matmul adds in
@@ -15,8 +15,7 @@ import pytest
 import minillm
 from minillm import SamplingParams
 from minillm.generate import GenerationOutput
-from minillm.parallel_sampling import generate_n
-from minillm.test_time import (
+from minillm.inference_scaling import (
     METHODS,
     NEXT_SPEAKER_EXCERPTS,
     Excerpt,
@@ -28,6 +27,7 @@ from minillm.test_time import (
     self_consistency,
     success_curve,
 )
+from minillm.parallel_sampling import generate_n
 
 PROMPT = "ROMEO.\nBut soft, what light"
 

@@ -1,4 +1,4 @@
-"""Test-time scaling: sample N candidates, then pick one (chapter 01).
+"""Inference-time scaling (test-time compute): sample N candidates, then pick one (chapter 01).
 
 A model that is sometimes right can be made right more often by sampling several answers and
 choosing among them. How much that helps depends on what does the choosing:
