@@ -14,7 +14,7 @@ numbers come from code. Each docstring states its formula and its units. Convent
 
     from minillm import metrics
     metrics.kv_cache_bytes("llama-2-7b", seq_len=4096, batch=8) / 1e9     # 17.18 GB
-    metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024)  # 4.2 ms, bound='memory'
+    metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024)  # 4.1 ms, bound='memory'
 
 Later chapters add their own arithmetic here (paging waste, quantisation bits, speculative
 speed-up, transfer and parallelism costs); each says which chapter introduces it.
@@ -309,6 +309,33 @@ def weight_bytes(config_or_n_params: ModelConfig | str | float, bits: float = 16
     return n * bits / 8
 
 
+def weight_bytes_read(config: ModelConfig | str, n_tokens: int, bits: float = 16) -> float:
+    """Bytes of weights one forward pass over `n_tokens` token rows reads from memory:
+
+        every matrix, norm and bias of the blocks, and the final norm     (read once, whatever n_tokens)
+        + vocab x dim       the LM head, read whole: every token's logits need every row
+        + n_tokens x dim    the embedding rows of the input tokens, gathered one row per token
+        + n_tokens x dim    the learned position rows, for a `GPTConfig` only
+
+    all at `bits` per parameter. The embedding table is *not* read whole: a step gathers only the
+    rows of its own tokens (B rows for a decode step of B sequences, B x T for a prefill). With tied
+    embeddings the LM head *is* the embedding table, so that matrix is counted once, as the head
+    (the gather of the input rows is a separate read before it and is counted too). Hence tying
+    saves memory (`weight_bytes`) but not traffic: a tied and an untied model of the same shape read
+    the same bytes per step. Activations and the KV cache are not included.
+    Units: bytes. Introduced in chapter 02.
+    """
+    _positive("n_tokens", n_tokens)
+    _positive("bits", bits)
+    c = _config(config)
+    tables = 0 if c.tie_embeddings else c.vocab_size * c.dim  # an untied embedding table, apart from the head
+    rows = n_tokens * c.dim  # the gathered embedding rows
+    if isinstance(c, GPTConfig):
+        tables += c.n_positions * c.dim
+        rows += n_tokens * c.dim  # and their position rows
+    return (param_count(c) - tables + rows) * bits / 8
+
+
 # ---------------------------------------------------------------------------------------------
 # The KV cache
 # ---------------------------------------------------------------------------------------------
@@ -485,20 +512,20 @@ def decode_step_time(
     """Roofline time of one decode step: `batch` sequences each add one token at `context_len`.
 
         flops = batch x flops_per_token(config, context_len)
-        bytes = weight_bytes(config, weight_bits) + batch x kv_cache_bytes(config, context_len)
+        bytes = weight_bytes_read(config, batch, weight_bits) + batch x kv_cache_bytes(config, context_len)
 
-    Every weight is read once per step whatever the batch (that is why batching decode is nearly
-    free until compute catches up), and each sequence reads its own KV cache. Activations are
-    ignored, and the whole embedding table is counted as read (a slight over-estimate for
-    untied models). `n_gpus` splits the work ideally (tensor parallel with free communication):
-    peak FLOP/s and bandwidth both multiply by n_gpus. Tokens/s = batch / time_s.
-    Units: seconds (in `Roofline`). Introduced in chapter 02.
+    Every weight matrix is read once per step whatever the batch (that is why batching decode is
+    nearly free until compute catches up), and each sequence reads its own KV cache. Of the
+    embedding table only the batch's `batch` rows are read; the LM head's vocab x dim matrix is read
+    whole (see `weight_bytes_read`). Activations are ignored. `n_gpus` splits the work ideally
+    (tensor parallel with free communication): peak FLOP/s and bandwidth both multiply by n_gpus.
+    Tokens/s = batch / time_s. Units: seconds (in `Roofline`). Introduced in chapter 02.
     """
     _positive("batch", batch)
     _positive("n_gpus", n_gpus)
     spec = gpu_spec(gpu)
     flops = batch * flops_per_token(config, context_len)
-    moved = weight_bytes(config, weight_bits) + kv_cache_bytes(config, context_len, batch, kv_dtype_bytes)
+    moved = weight_bytes_read(config, batch, weight_bits) + kv_cache_bytes(config, context_len, batch, kv_dtype_bytes)
     return roofline_time(flops, moved, spec.peak_flops * n_gpus, spec.memory_bandwidth * n_gpus)
 
 
@@ -514,17 +541,19 @@ def prefill_time(
     """Roofline time to prefill `batch` prompts of `prompt_len` tokens (the floor under TTFT).
 
         flops = batch x prefill_flops(config, prompt_len)
-        bytes = weight_bytes(config, weight_bits) + kv_cache_bytes(config, prompt_len, batch)
+        bytes = weight_bytes_read(config, batch x prompt_len, weight_bits) + kv_cache_bytes(config, prompt_len, batch)
 
     The weights are read once and reused by every prompt token, so prefill is compute-bound for
-    all but the shortest prompts; the KV cache is written once. `n_gpus` as in
-    `decode_step_time`. Units: seconds (in `Roofline`). Introduced in chapter 02.
+    all but the shortest prompts; the KV cache is written once. As in decode, only the prompt
+    tokens' embedding rows are read, and the LM head whole. `n_gpus` as in `decode_step_time`.
+    Units: seconds (in `Roofline`). Introduced in chapter 02.
     """
     _positive("batch", batch)
     _positive("n_gpus", n_gpus)
     spec = gpu_spec(gpu)
     flops = batch * prefill_flops(config, prompt_len)
-    moved = weight_bytes(config, weight_bits) + kv_cache_bytes(config, prompt_len, batch, kv_dtype_bytes)
+    moved = (weight_bytes_read(config, batch * prompt_len, weight_bits)
+             + kv_cache_bytes(config, prompt_len, batch, kv_dtype_bytes))
     return roofline_time(flops, moved, spec.peak_flops * n_gpus, spec.memory_bandwidth * n_gpus)
 
 

@@ -35,7 +35,7 @@ def test_phases_writes_rows_whose_flops_and_bytes_are_the_metrics_formulas(phase
     row = data["decode_vs_batch"][1]
     assert row["flops"] == pytest.approx(3 * metrics.flops_per_token(model_cfg, 8))
     kv = metrics.kv_cache_bytes(model_cfg, 8, 3, 4)  # fp32: 32-bit weights, 4-byte KV
-    assert row["bytes"] == pytest.approx(metrics.weight_bytes(model_cfg, 32) + kv)
+    assert row["bytes"] == pytest.approx(metrics.weight_bytes_read(model_cfg, 3, 32) + kv)
     assert row["tokens_per_s"] == pytest.approx(3 / (row["step_ms"] / 1e3))
     assert data["prefill_vs_length"][0]["prompt_len"] == 8
     assert data["datasheet"] is None and "gpu_memory" not in data  # no GPU: no datasheet roofline claimed

@@ -181,12 +181,50 @@ def test_task_roofline_picks_the_binding_resource():
 def test_decode_is_memory_bound_at_batch_1_and_compute_bound_at_huge_batch():
     step = metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024)
     assert step.bound == "memory"
-    assert step.bytes_moved == 6_738_415_616 * 2 + 524_288 * 1024
+    # All parameters but the 32,000 x 4,096 embedding table, plus the one row the step gathers; KV.
+    assert step.bytes_moved == (6_738_415_616 - 32_000 * 4096 + 4096) * 2 + 524_288 * 1024
     assert step.time_s == pytest.approx(step.bytes_moved / 3.35e12)
     assert metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1, batch=1024).bound == "compute"
     # Ideal 8-way TP: same bytes and FLOPs, eight times the bandwidth.
     tp = metrics.decode_step_time("llama-2-7b", "h100-sxm", context_len=1024, n_gpus=8)
     assert tp.time_s == pytest.approx(step.time_s / 8)
+
+
+def test_task_a_step_reads_the_embedding_rows_of_its_tokens_and_the_lm_head_once():
+    # Llama-2-7B untied and the same shape tied: tying saves V x d of memory, not of traffic. A step
+    # reads the LM head's V x d matrix whole (for the tied model that matrix *is* the embedding
+    # table, counted once) and gathers one embedding row per token.
+    untied = metrics.preset("llama-2-7b")
+    tied = metrics.preset("llama-2-7b")
+    tied.tie_embeddings = True
+    V, d = untied.vocab_size, untied.dim
+    assert metrics.weight_bytes(untied) - metrics.weight_bytes(tied) == V * d * 2
+    for batch in (1, 8, 256):
+        read = metrics.weight_bytes_read(untied, batch)
+        assert read == metrics.weight_bytes_read(tied, batch), "tied and untied models read the same bytes"
+        assert read == metrics.weight_bytes(untied) - (V - batch) * d * 2, "the untied embedding table is read whole"
+        assert read == metrics.weight_bytes(tied) + batch * d * 2, "the tied table must be counted once"
+        kv = metrics.kv_cache_bytes(untied, 1024, batch)
+        for c in (untied, tied):
+            assert metrics.decode_step_time(c, "h100-sxm", 1024, batch).bytes_moved == read + kv
+    # Each extra sequence adds one embedding row, not a table.
+    assert metrics.weight_bytes_read(untied, 2) - metrics.weight_bytes_read(untied, 1) == d * 2
+    # Llama-3-8B's 128,256 x 4,096 table is 1.05 GB in BF16: counting it made the roofline 7% slow.
+    step = metrics.decode_step_time("llama-3-8b", "h100-sxm", 1024)
+    assert step.bytes_moved / 1e9 == pytest.approx(15.01 + 0.134, abs=0.005)
+    assert metrics.weight_bytes("llama-3-8b") / 1e9 == pytest.approx(16.06, abs=0.005)
+    # A prefill of B prompts of T tokens gathers B x T rows.
+    r = metrics.prefill_time("llama-2-7b", "h100-sxm", prompt_len=100, batch=3)
+    assert r.bytes_moved == metrics.weight_bytes_read("llama-2-7b", 300) + metrics.kv_cache_bytes("llama-2-7b", 100, 3)
+
+
+def test_weight_bytes_read_of_gpt_models_gathers_position_rows_too():
+    opt = metrics.preset("opt-13b")  # tied embeddings, 2,050 learned positions
+    assert metrics.weight_bytes_read(opt, 4, bits=16) == (
+        metrics.param_count(opt) - opt.n_positions * opt.dim + 2 * 4 * opt.dim
+    ) * 2
+    with pytest.raises(ValueError, match="n_tokens must be a positive"):
+        metrics.weight_bytes_read(opt, 0)
 
 
 def test_prefill_is_compute_bound():
