@@ -39,6 +39,7 @@ class Chapter:
     modules: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     drills: list[str] = field(default_factory=list)
+    points: dict[str, float] = field(default_factory=dict)  # task id -> points (every task listed)
 
     @property
     def written(self) -> bool:
@@ -91,10 +92,28 @@ def _chapter(entry: Any, index: int) -> Chapter:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise BookError(f"{where}: {key} must be a list of strings, got {value!r}.")
         lists[key] = value
-    unknown = set(entry) - {"id", "title", "status", "notebook", "solution", "exercise", *lists}
+    unknown = set(entry) - {"id", "title", "status", "notebook", "solution", "exercise", "points", *lists}
     if unknown:
         raise BookError(f"{where}: unknown field(s) {sorted(unknown)}; see the comment at the top of book.yml.")
-    return Chapter(**{k: entry[k] for k in ("id", "title", "status", "notebook", "solution", "exercise")}, **lists)
+    points = _points(entry.get("points"), lists["tasks"], where)
+    return Chapter(**{k: entry[k] for k in ("id", "title", "status", "notebook", "solution", "exercise")}, **lists,
+                   points=points)
+
+
+def _points(value: Any, tasks: list[str], where: str) -> dict[str, float]:
+    """`points: {task id: number}` checked against `tasks`; a chapter without it gives every task 1 point."""
+    if value is None:
+        return {t: 1.0 for t in tasks}
+    if not isinstance(value, dict):
+        raise BookError(f"{where}: points must map each task id to its points, e.g. {{\"00.rms_norm\": 2}}.")
+    missing, extra = [t for t in tasks if t not in value], [t for t in value if t not in tasks]
+    if missing or extra:
+        raise BookError(f"{where}: points must list exactly the chapter's tasks; missing {missing}, not tasks "
+                        f"{extra}.")
+    bad = {t: v for t, v in value.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0}
+    if bad:
+        raise BookError(f"{where}: points must be positive numbers, got {bad}.")
+    return {t: float(value[t]) for t in tasks}
 
 
 def load_book(path: str | Path | None = None) -> Book:

@@ -2,7 +2,8 @@
 
     minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
                      [--device cpu|cuda] PROMPT
-    minillm grade NOTEBOOK... [--chapter NN] [--timeout S] [--csv FILE] [--json FILE]
+    minillm grade PATH... [-j N] [--chapter NN] [--timeout S] [--memory-gb G] [--extra-tests DIR]
+                  [--csv FILE] [--json FILE]
     minillm drill [--chapter NN] [--tag T] [--level L] [-n K] [--answers FILE]
     minillm book exercises [--check]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -12,9 +13,8 @@ import torch
 from minillm.book import load_book
 from minillm.cli import main
 from minillm.grading import TASKS, check, get_task, register_task, run_task
-from minillm.grading.check import GRADE_OUT_ENV, MismatchError, summarise_exception
+from minillm.grading.check import MismatchError, summarise_exception
 from minillm.grading.exercises import ExerciseError, blank_source, exercise_text, make_exercise
-from minillm.grading.grade import grade_notebook
 from minillm.grading.tasks import ch00
 
 
@@ -138,18 +138,22 @@ def test_a_test_that_runs_too_long_fails_with_a_time_limit():
         del TASKS["test.slow"]
 
 
-def test_check_prints_one_line_per_test_and_records_for_the_grader(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "checks.jsonl"
-    monkeypatch.setenv(GRADE_OUT_ENV, str(out))
+def test_check_prints_one_line_per_test(capsys):
     check("00.rms_norm", ch00.reference_rms_norm)
     check("00.rotary", _blank)
     text = capsys.readouterr().out
     assert "00.rms_norm: 4/4 tests passed" in text and text.count("PASS") == 4
     assert "00.rotary: 0/4 tests passed" in text and text.count("FAIL") == 4
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["id"], r["passed"]) for r in records] == [("00.rms_norm", True), ("00.rotary", False)]
     html = run_task("00.rotary", _blank)._repr_html_()
     assert "#cf222e" in html and "<table>" in html and "not implemented yet" in html
+
+
+def test_check_leaves_the_tests_to_the_grader_inside_its_sandbox(monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("minillm.grading.check"), "GRADING", True)
+    check("00.rotary", _blank)
+    assert "checked by the grader" in capsys.readouterr().out
 
 
 def test_unknown_task_id_names_the_known_ones():
@@ -220,83 +224,224 @@ def test_generated_exercise_has_no_answers_and_no_outputs():
         assert any(f'check("{task_id}"' in c.source for c in code), f"no check cell for {task_id}"
 
 
-# ---- minillm grade ----------------------------------------------------------------------------------
+# ---- minillm grade: the source check (no sandbox) ----------------------------------------------------
+
+FORBID_RMS = get_task("00.rms_norm").forbidden
+
+
+def _misuse(*cells: str, answer: str = "rms_norm") -> str | None:
+    from minillm.grading.forgery import forbidden_use, read_source
+
+    return forbidden_use(read_source(list(cells)), answer, FORBID_RMS)
+
+
+OWN_RMS = "def rms_norm(x, w, eps=1e-5):\n    return w * x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()"
+
+
+def test_source_check_accepts_the_readers_own_code():
+    assert _misuse("import torch\nfrom minillm.model import RMSNorm", OWN_RMS) is None
+    # a top-level name used in a test cell does not leak into the function's own local of that name
+    assert _misuse("from minillm.model import RMSNorm\nexpected = RMSNorm(8)",
+                   "def rms_norm(x, w, eps=1e-5):\n    expected = x.pow(2).mean(-1, keepdim=True)\n"
+                   "    return w * x / (expected + eps).sqrt()") is None
+
+
+@pytest.mark.parametrize("cells, words", [
+    (["from minillm.grading.tasks.ch00 import reference_rms_norm as rms_norm"], "belongs to the grader"),
+    (["import minillm.grading.tasks.ch00 as t", "rms_norm = t.reference_rms_norm"], "belongs to the grader"),
+    (["from minillm import model as M",
+      "def helper(x, w, eps):\n    n = M.RMSNorm(x.shape[-1], eps)\n    return n(x)",
+      "def rms_norm(x, w, eps=1e-5):\n    return helper(x, w, eps)"], "minillm.model.RMSNorm"),
+    (["import torch.nn.functional as F", "rms_norm = lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)"],
+     "torch.nn.functional.rms_norm"),
+    (["def rms_norm(x, w, eps=1e-5):\n    from minillm.model import RMSNorm\n    return RMSNorm(4)(x)"],
+     "minillm.model.RMSNorm"),
+])
+def test_source_check_finds_an_answer_that_uses_what_already_does_the_task(cells, words):
+    reason = _misuse(*cells)
+    assert reason is not None and words in reason, reason
+
+
+def test_plain_data_crosses_back_and_nothing_else():
+    import numpy as np
+
+    from minillm.grading.sandbox import _receive, _send, from_data, to_data
+
+    class Sneaky(torch.Tensor):
+        def __eq__(self, other):  # would make every comparison pass
+            return True
+
+    value = from_data(to_data({"t": torch.ones(2).as_subclass(Sneaky), "xs": [1, 2.5, "s", b"b", None],
+                               "arr": np.zeros(3), "pair": (torch.float16, torch.Size([2]))}))
+    assert type(value["t"]) is torch.Tensor and value["xs"] == [1, 2.5, "s", b"b", None]
+    assert type(value["arr"]).__name__ == "ndarray" and "array" in repr(value["arr"])
+    assert value["pair"] == (torch.float16, torch.Size([2]))
+    read, write = __import__("os").pipe()
+    _send(write, {"kind": "result", "value": Path("/etc")})  # an arbitrary object, pickled
+    with pytest.raises(Exception, match="(?i)unpickl|weights_only"):
+        _receive(read, None, trusted=False)
+
+
+# ---- minillm grade: notebooks in the sandbox ----------------------------------------------------------
 
 
 def _notebook(path, *sources):
+    path.parent.mkdir(parents=True, exist_ok=True)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
     return path
 
 
-IMPORTS = "from minillm.grading import check\nfrom minillm.grading.tasks import ch00"
+IMPORTS = "import torch\nfrom minillm.grading import check"
+OWN_COUNT = "from minillm import metrics\ndef count_params(config):\n    return metrics.weight_bytes(config, 8)"
+BLANK_RMS = "def rms_norm(x, weight, eps=1e-5):\n    raise NotImplementedError('write it')"
+OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2).float() / d)
+    ang = positions.float()[:, None] * freqs
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)"""
+
+# Each route a notebook might take to a grade it did not earn; the forged task is 00.rms_norm, whose
+# function is blank or not the reader's own, while 00.rotary is honestly solved in every notebook.
+FORGERIES = {
+    "writes_a_verdict_file": [BLANK_RMS, "import os, json\nfor name in ('MINILLM_GRADE_OUT', 'grade.jsonl'):\n"
+                              "    path = os.environ.get(name, name)\n    with open(path, 'a') as f:\n"
+                              "        f.write(json.dumps({'id': '00.rms_norm', 'passed': True, 'reason': 'ok'}))\n"
+                              "print('00.rms_norm: 4/4 tests passed')"],
+    "redefines_check": [BLANK_RMS, "def check(task_id, answer):\n    print(f'{task_id}: all tests passed')",
+                        "check('00.rms_norm', rms_norm)"],
+    "patches_the_registry": [BLANK_RMS, "import minillm.grading.check as c\nfrom minillm.grading import get_task\n"
+                             "get_task('00.rms_norm').tests.clear()\n"
+                             "c.run_task = lambda *a: None\nc.MismatchError = type('M', (Exception,), {})"],
+    "returns_the_reference": ["from minillm.grading.tasks.ch00 import reference_rms_norm",
+                              "check('00.rms_norm', reference_rms_norm)"],
+    "wraps_the_engine": ["from minillm.model import RMSNorm\ndef rms_norm(x, weight, eps=1e-5):\n"
+                         "    norm = RMSNorm(x.shape[-1], eps)\n    norm.weight.data = weight.float()\n"
+                         "    return norm.to(weight.dtype)(x)"],
+    "hides_the_engine_call": ["import importlib\ndef rms_norm(x, weight, eps=1e-5):\n"
+                              "    mod = importlib.import_module('minillm.' + 'mo' + 'del')\n"
+                              "    norm = getattr(mod, 'RMS' + 'Norm')(x.shape[-1], eps)\n"
+                              "    norm.weight.data = weight.float()\n    return norm.to(weight.dtype)(x)"],
+}
 
 
-def test_grade_reports_crash_missing_task_and_partial_credit(tmp_path):
-    crashed = _notebook(
-        tmp_path / "alice.ipynb",
-        IMPORTS,
-        'check("00.param_count", ch00.reference_param_count)',
-        "1 / 0",
-        'check("00.rms_norm", ch00.reference_rms_norm)',
-    )
-    grade = grade_notebook(crashed, timeout_s=120, chapter_id="00")
-    result = {t.id: t for t in grade.tasks}
-    assert result["00.param_count"].passed
-    assert not result["00.rms_norm"].passed and "ZeroDivisionError" in result["00.rms_norm"].reason
-    assert "not reached" in result["00.rotary"].reason
-    assert (grade.passed, grade.total) == (1, 3)
+def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_path):
+    from minillm.grading.grade import grade_all
 
-    partial = _notebook(tmp_path / "00_the_model.ipynb", IMPORTS, 'check("00.rotary", ch00.reference_apply_rope)',
-                        'check("00.rms_norm", lambda x, w, eps: x)')
-    grade = grade_notebook(partial, timeout_s=120)  # the chapter comes from the file name
-    result = {t.id: t for t in grade.tasks}
-    assert result["00.rotary"].passed and not result["00.rms_norm"].passed
-    assert "no check('00.param_count'" in result["00.param_count"].reason
+    paths = [_notebook(tmp_path / route / "00_the_model.ipynb", IMPORTS, OWN_ROPE, *cells,
+                       "check('00.rotary', apply_rope)") for route, cells in FORGERIES.items()]
+    grades = grade_all(paths, jobs=2, progress=False, timeout_s=120)
+    expected_reason = {
+        "writes_a_verdict_file": "not implemented yet", "redefines_check": "not implemented yet",
+        "patches_the_registry": "not implemented yet", "returns_the_reference": "belongs to the grader",
+        "wraps_the_engine": "minillm.model.RMSNorm", "hides_the_engine_call": "called minillm.model.RMSNorm",
+    }
+    for grade in grades:
+        tasks = {t.id: t for t in grade.tasks}
+        assert grade.student in FORGERIES
+        assert tasks["00.rms_norm"].score == 0, (grade.student, tasks["00.rms_norm"])
+        assert expected_reason[grade.student] in tasks["00.rms_norm"].reason, (grade.student,
+                                                                                tasks["00.rms_norm"].reason)
+        assert tasks["00.rotary"].passed, (grade.student, tasks["00.rotary"].reason)  # the honest task counts
+        assert "defines no `count_params`" in tasks["00.param_count"].reason
 
 
-def test_grade_survives_a_hang_garbage_and_a_missing_file(tmp_path):
-    hang = _notebook(tmp_path / "hang.ipynb", IMPORTS, 'check("00.rotary", ch00.reference_apply_rope)',
-                     "import time\ntime.sleep(600)")
-    start = time.perf_counter()
-    grade = grade_notebook(hang, timeout_s=15, chapter_id="00")
-    assert time.perf_counter() - start < 60
-    result = {t.id: t for t in grade.tasks}
-    assert result["00.rotary"].passed  # checked before the hang
-    assert "time limit" in result["00.rms_norm"].reason
+def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch):
+    from minillm.grading.grade import grade_all
 
+    for test in get_task("00.param_count").tests:  # a hung answer should cost seconds here, not minutes
+        monkeypatch.setattr(test, "time_limit_s", 2.0)
+    honest = ["check('00.rotary', apply_rope)"]
+    paths = {
+        "crashes": _notebook(tmp_path / "crashes.ipynb", IMPORTS, OWN_ROPE, "1 / 0", *honest),
+        "hangs": _notebook(tmp_path / "hangs.ipynb", IMPORTS, OWN_ROPE, *honest, "import time\ntime.sleep(600)"),
+        "forks": _notebook(tmp_path / "forks.ipynb", IMPORTS, OWN_ROPE,
+                           "import os\nfor _ in range(8):  # 256 processes at most, should the guard fail\n"
+                           "    os.fork()", *honest),
+        "floods": _notebook(tmp_path / "floods.ipynb", IMPORTS, OWN_ROPE, "for _ in range(20_000):\n"
+                            "    print('x' * 1000)\nimport sys\nsys.stderr.write('y' * 10**6)", *honest),
+        "hogs_memory_and_net": _notebook(
+            tmp_path / "hogs_memory_and_net.ipynb", IMPORTS, OWN_ROPE, "big = bytearray(64 * 2**30)",
+            "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+            "open('/tmp/minillm-grade-escape.txt', 'w').write('x')", *honest),
+        "hangs_in_its_answer": _notebook(tmp_path / "hangs_in_its_answer.ipynb", IMPORTS, OWN_ROPE,
+                                         "def count_params(config):\n    while True:\n        pass", *honest),
+        "exits": _notebook(tmp_path / "exits.ipynb", IMPORTS, "import os\nos._exit(3)"),
+    }
     garbage = tmp_path / "garbage.ipynb"
     garbage.write_text("{ this is not json")
-    grade = grade_notebook(garbage, timeout_s=60, chapter_id="00")
-    assert grade.total == 3 and grade.passed == 0 and "not a readable notebook" in grade.tasks[0].reason
+    start = time.perf_counter()
+    grades = grade_all([*paths.values(), garbage, tmp_path / "missing.ipynb"], jobs=2, progress=False,
+                       timeout_s=15, chapter_id="00", memory_bytes=2 * 2**30)
+    assert time.perf_counter() - start < 150
+    by_student = {g.student: g for g in grades}
+    rotary = {name: {t.id: t for t in g.tasks}["00.rotary"] for name, g in by_student.items()}
+    for name in ("crashes", "forks", "floods", "hogs_memory_and_net", "hangs_in_its_answer"):
+        assert rotary[name].passed, (name, rotary[name].reason, by_student[name].notes)
+    assert any("ZeroDivisionError" in n for n in by_student["crashes"].notes)
+    assert any("starting processes is not allowed" in n for n in by_student["forks"].notes)
+    hog_notes = " ".join(by_student["hogs_memory_and_net"].notes)
+    assert "MemoryError" in hog_notes and "network access is not allowed" in hog_notes
+    assert "writing /tmp/minillm-grade-escape.txt is not allowed" in hog_notes
+    assert not Path("/tmp/minillm-grade-escape.txt").exists()
+    hung = {t.id: t for t in by_student["hangs_in_its_answer"].tasks}["00.param_count"]
+    assert hung.score == 0 and "took longer than 2 s" in hung.tests[0].message
+    assert all("earlier test" in t.message for t in hung.tests[1:])
+    assert all("did not finish within 15 s" in t.reason for t in by_student["hangs"].tasks)
+    assert all("exit status 3" in t.reason for t in by_student["exits"].tasks)
+    assert all("not a readable notebook" in t.reason for t in by_student["garbage"].tasks)
+    assert all("not found" in t.reason for t in by_student["missing"].tasks)
 
-    missing = grade_notebook(tmp_path / "nope.ipynb", chapter_id="00")
-    assert missing.total == 3 and "not found" in missing.tasks[0].reason
 
-    unknown = _notebook(tmp_path / "mystery.ipynb", "x = 1")
-    grade = grade_notebook(unknown, timeout_s=60)
-    assert grade.passed == 0 and "--chapter" in grade.tasks[0].reason
+def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, capsys):
+    from minillm.grading.check import TASKS
 
-
-def test_grade_command_grades_the_solution_and_the_blank_exercise(tmp_path, capsys):
     book = load_book()
     chapter = book.chapter("00")
-    exercise = tmp_path / "00_the_model.ipynb"
-    nbformat.write(make_exercise(book.root / chapter.solution), exercise)
+    solution = book.root / chapter.solution
+    exercise = tmp_path / "class" / "bob" / "00_the_model.ipynb"
+    exercise.parent.mkdir(parents=True)
+    nbformat.write(make_exercise(solution), exercise)
+    _notebook(tmp_path / "class" / "carol.ipynb", IMPORTS, OWN_ROPE, "check('00.rotary', apply_rope)",
+              "def rms_norm(x, weight, eps=1e-5):  # forgets eps\n    xf = x.float()\n"
+              "    return (xf / xf.pow(2).mean(-1, keepdim=True).sqrt()).to(x.dtype) * weight",
+              "check('00.rms_norm', rms_norm)")
+    (tmp_path / "class" / "alice").mkdir()
+    (tmp_path / "class" / "alice" / "00_the_model.ipynb").write_bytes(solution.read_bytes())
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "rotary_fp64.py").write_text(
+        "import torch\nfrom minillm.grading import get_task\nfrom minillm.grading.check import expect_close\n"
+        "from minillm.grading.tasks.ch00 import reference_apply_rope\n\n"
+        "@get_task('00.rotary').test('keeps float64 input in float64')\n"
+        "def _(fn):\n    x = torch.randn(1, 1, 3, 8, dtype=torch.float64)\n"
+        "    expect_close(fn(x, torch.arange(3), 10000.0), reference_apply_rope(x, torch.arange(3)), 'fp64 rope')\n")
     out_json, out_csv = tmp_path / "grades.json", tmp_path / "grades.csv"
-    code = main(["grade", str(book.root / chapter.solution), str(exercise), "--json", str(out_json),
-                 "--csv", str(out_csv)])
+    n_tests = len(get_task("00.rotary").tests)
+    try:
+        code = main(["grade", str(tmp_path / "class"), "-j", "2", "--extra-tests", str(hidden), "--json",
+                     str(out_json), "--csv", str(out_csv)])
+    finally:
+        del TASKS["00.rotary"].tests[n_tests:]
     assert code == 0
-    grades = json.loads(out_json.read_text())
-    assert [g["passed"] for g in grades] == [3, 0] and [g["total"] for g in grades] == [3, 3]
-    assert set(grades[0]) == {"notebook", "tasks", "passed", "total"}
-    assert set(grades[0]["tasks"][0]) == {"id", "passed", "reason"}
-    assert all("not implemented yet" in t["reason"] for t in grades[1]["tasks"])
+    grades = {g["student"]: g for g in json.loads(out_json.read_text())}
+    assert set(grades) == {"alice", "bob", "carol"}
+    assert grades["alice"]["score"] == grades["alice"]["max_score"] == 7
+    assert grades["bob"]["score"] == 0
+    carol = {t["id"]: t for t in grades["carol"]["tasks"]}
+    assert carol["00.rotary"]["score"] == 3  # OWN_ROPE keeps the dtype, so it passes the hidden test too
+    hidden_test = [t for t in carol["00.rotary"]["tests"] if t["hidden"]]
+    assert [t["name"] for t in hidden_test] == ["keeps float64 input in float64"] and hidden_test[0]["passed"]
+    assert 0 < carol["00.rms_norm"]["score"] < 2  # no eps: the all-zero row gives NaN, the rest pass
+    assert "eps" in " ".join(t["hint"] for t in carol["00.rms_norm"]["tests"])
     rows = out_csv.read_text().splitlines()
-    assert rows[0] == "notebook,passed,total,00.param_count,00.rms_norm,00.rotary"
-    assert rows[1].endswith(",3,3,1,1,1") and rows[2].endswith(",0,3,0,0,0")
-    assert "total: 3/6 tasks passed in 2 notebooks" in capsys.readouterr().out
+    assert rows[0] == "student,00.param_count,00.rms_norm,00.rotary,total,max"
+    assert rows[1] == "alice,2.0,2.0,3.0,7.0,7.0" and rows[2].startswith("bob,0.0,0.0,0.0,0.0")
+    assert rows[3].startswith("carol,0.0,1.5,3.0,4.5,7.0")
+    assert "total: 11.5/21 points in 3 notebooks" in capsys.readouterr().out
 
 
 def test_grade_command_rejects_an_unknown_chapter(capsys):

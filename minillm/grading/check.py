@@ -18,14 +18,17 @@ Registering a task (see `minillm/grading/tasks/`):
         ...
         expect_close(rms_norm(x, w, 1e-5), reference, what="rms_norm(x, w, 1e-5)", hint="...")
 
-When `minillm grade` runs a notebook it sets `MINILLM_GRADE_OUT`; each `check` then also appends
-its result to that file as one JSON line, which is how the grader learns what passed.
+`check` is for the reader's own feedback. `minillm grade` never believes it: it runs the notebook in
+a sandbox process, then runs these same tests itself, in its own process, on the reader's functions
+(see `minillm.grading.sandbox` and `minillm.grading.grade`). While it grades, `check` does nothing.
+
+A test that must observe the reader's function from the inside (count the tokens it feeds the
+model, say) passes a *probe* to `call_probed`: a module-level function `probe(answer, *args)` that
+runs beside the answer, in the notebook's process when grading, and returns plain data.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sys
 import threading
@@ -38,8 +41,8 @@ from typing import Any
 
 import torch
 
-GRADE_OUT_ENV = "MINILLM_GRADE_OUT"
 DEFAULT_TIME_LIMIT_S = 20.0
+GRADING = False  # set inside the grader's sandbox: check() then leaves the tests to the grader
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 
 
@@ -56,22 +59,41 @@ class TaskTest:
     name: str
     run: Callable[[Any], None]
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    hidden: bool = False  # an instructor's test (`minillm grade --extra-tests`), not in the reader's copy
 
 
 @dataclass
 class Task:
-    """A registered exercise task: its id, what the reader must write, its tests, and a reference answer."""
+    """A registered exercise task: its id, what the reader must write, its tests, and a reference answer.
+
+    `forbid` names the minillm (or torch) functions and classes that already do the task, as dotted
+    paths ("minillm.sampling.top_p_filter"): an answer that is one of them, or calls one, gets no
+    credit from `minillm grade`. The reference itself is always forbidden.
+    """
 
     id: str
     signature: str
     reference: Callable[..., Any]
     tests: list[TaskTest] = field(default_factory=list)
+    forbid: tuple[str, ...] = ()
 
-    def test(self, name: str, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Callable:
+    @property
+    def answer_name(self) -> str:
+        """The name the exercise gives the reader's function: `rms_norm` for "rms_norm(x, ...) -> ..."."""
+        return self.signature.split("(")[0].strip()
+
+    @property
+    def forbidden(self) -> tuple[str, ...]:
+        """Dotted paths of everything that does the task for the reader: `forbid` plus the reference."""
+        return (*self.forbid, f"{self.reference.__module__}.{self.reference.__qualname__}")
+
+    def test(self, name: str, time_limit_s: float = DEFAULT_TIME_LIMIT_S, hidden: bool = False) -> Callable:
         """Decorator: register `fn(answer)` as one of this task's tests."""
 
         def register(fn: Callable[[Any], None]) -> Callable[[Any], None]:
-            self.tests.append(TaskTest(name, fn, time_limit_s))
+            if any(t.name == name for t in self.tests):
+                raise ValueError(f"task {self.id!r} already has a test named {name!r}; test names must be unique.")
+            self.tests.append(TaskTest(name, fn, time_limit_s, hidden))
             return fn
 
         return register
@@ -80,12 +102,27 @@ class Task:
 TASKS: dict[str, Task] = {}
 
 
-def register_task(task_id: str, signature: str, reference: Callable[..., Any]) -> Task:
-    """Create and register a task; `reference` is a correct answer (tests prove it passes)."""
+def register_task(task_id: str, signature: str, reference: Callable[..., Any], forbid: tuple[str, ...] = ()) -> Task:
+    """Create and register a task; `reference` is a correct answer (tests prove it passes).
+
+    forbid: dotted paths of library functions or classes that do the task (see `Task`).
+    """
     if task_id in TASKS:
         raise ValueError(f"task {task_id!r} is registered twice; task ids must be unique.")
-    TASKS[task_id] = Task(task_id, signature, reference)
+    TASKS[task_id] = Task(task_id, signature, reference, forbid=tuple(forbid))
     return TASKS[task_id]
+
+
+def call_probed(answer: Any, probe: Callable[..., Any], *args: Any) -> Any:
+    """`probe(answer, *args)`, run where the answer lives: here, or in the grader's sandbox.
+
+    A probe is a module-level function (the sandbox imports it by name) that calls the answer and
+    observes it from the inside, returning plain data: numbers, strings, tensors, lists, dicts.
+    """
+    remote = getattr(answer, "call_probed", None)
+    if remote is not None:
+        return remote(probe, *args)
+    return probe(answer, *args)
 
 
 def get_task(task_id: str) -> Task:
@@ -212,6 +249,14 @@ class _TimeLimitError(Exception):
     pass
 
 
+class StudentError(Exception):
+    """The reader's function raised, in another process; `summary` is what `summarise_exception` made of it."""
+
+    def __init__(self, summary: str) -> None:
+        super().__init__(summary)
+        self.summary = summary
+
+
 def _run_with_time_limit(fn: Callable[[], None], seconds: float) -> None:
     """Run fn, raising `_TimeLimitError` after `seconds` (a SIGALRM in the main thread, else a watcher thread)."""
     if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
@@ -245,29 +290,31 @@ def _run_with_time_limit(fn: Callable[[], None], seconds: float) -> None:
 
 
 def run_task(task_id: str, answer: Any) -> TaskResult:
-    """Run every test of `task_id` on `answer`; never raises for a wrong or broken answer."""
+    """Run every test of `task_id` on `answer`; never raises for a wrong or broken answer.
+
+    `answer` is the reader's object, or the grader's stand-in for one that lives in its sandbox
+    (which keeps its own time: it has a `set_deadline` method).
+    """
     task = get_task(task_id)
     results = []
     for t in task.tests:
         try:
-            _run_with_time_limit(lambda t=t: t.run(answer), t.time_limit_s)
+            if hasattr(answer, "set_deadline"):
+                answer.set_deadline(t.time_limit_s)
+                t.run(answer)
+            else:
+                _run_with_time_limit(lambda t=t: t.run(answer), t.time_limit_s)
             results.append(TestResult(t.name, True))
         except MismatchError as m:
             results.append(TestResult(t.name, False, f"{m.what}: expected {m.expected}; got {m.got}", m.hint))
         except _TimeLimitError:
             results.append(TestResult(t.name, False, f"took longer than {t.time_limit_s:g} s: "
                                       "look for a loop that never ends or one over every element"))
+        except StudentError as exc:
+            results.append(TestResult(t.name, False, exc.summary))
         except Exception as exc:  # noqa: BLE001 - a reader's bug is reported, not raised
             results.append(TestResult(t.name, False, summarise_exception(exc)))
     return TaskResult(task_id, results)
-
-
-def _record_for_grader(result: TaskResult) -> None:
-    path = os.environ.get(GRADE_OUT_ENV)
-    if not path:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"id": result.task_id, "passed": result.passed, "reason": result.summary()}) + "\n")
 
 
 def _in_notebook() -> bool:
@@ -284,8 +331,10 @@ def check(task_id: str, answer: Any) -> None:
 
     In Jupyter the result is a small coloured table; elsewhere it is printed as text.
     """
+    if GRADING:
+        print(f"{task_id}: checked by the grader, in its own process")
+        return
     result = run_task(task_id, answer)
-    _record_for_grader(result)
     if _in_notebook():
         from IPython.display import display
 

@@ -1,193 +1,272 @@
-"""`minillm grade NOTEBOOK...`: run readers' exercise notebooks and report which tasks pass.
+"""`minillm grade`: grade readers' exercise notebooks without believing anything they say (all chapters).
 
-Each notebook runs in its own process (a Jupyter kernel driven by `nbclient`) under a time limit.
-Every `check(task_id, answer)` in it appends its verdict to a file named by `MINILLM_GRADE_OUT`;
-the grader reads that file back. A task is failed, with the reason, when its check failed, when
-it never ran (missing cell, or the notebook crashed or timed out before reaching it), or when the
-notebook could not be run at all. The grader itself never crashes on a bad notebook.
+For each notebook:
 
-    minillm grade exercises/00_the_model.ipynb students/*/00_the_model.ipynb --csv grades.csv
+1. its text is read here (`minillm.grading.forgery`): which function each `check("NN.task", f)`
+   hands in, and whether that function is, or uses, something that already does the task (the
+   engine's own function, the grader's reference) — such an answer gets no credit, with the reason;
+2. it runs top to bottom in a sandbox process, under time and memory limits, with no network and
+   no way to start processes or write outside its own folder (`minillm.grading.sandbox`);
+3. the grader runs every test of every task of the notebook's chapter itself, in this process,
+   calling the reader's functions in the sandbox and comparing what comes back, as plain data, with
+   its own reference. `check` cells, verdict files and the task registry inside the notebook's
+   process are never consulted.
 
-Result per notebook (what `--json` writes, one object per notebook in a list):
-    {"notebook": path, "tasks": [{"id", "passed", "reason"}], "passed": int, "total": int}
-`total` counts every task the notebook's chapter defines in book.yml.
+Points per task come from `book.yml` (`points:`); a task scores its points × the share of its tests
+that pass. An instructor's hidden tests (`--extra-tests DIR`: Python files that add tests to tasks
+with `get_task(id).test(name)`) count like the others and are marked hidden in the report.
+
+    minillm grade submissions/ -j 4 --csv grades.csv --json grades.json
+    minillm grade alice/00_the_model.ipynb bob/00_the_model.ipynb --extra-tests hidden_tests/
+
+The student's name is the notebook's folder when the file has its chapter's name
+(`alice/00_the_model.ipynb` -> alice), else the file's stem (`alice.ipynb` -> alice).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minillm.grading.check import GRADE_OUT_ENV
+from minillm.book import Book, Chapter, load_book
+from minillm.grading.check import get_task, run_task
+from minillm.grading.forgery import NotebookSource, defines, forbidden_use, read_source
+from minillm.grading.sandbox import DEFAULT_MEMORY_BYTES, RemoteAnswer, Sandbox, SandboxError
 
 DEFAULT_TIMEOUT_S = 600.0
-STOP_PREFIX = "minillm-grade-stop: "  # how the worker process tells the grader why a notebook stopped
+
+
+@dataclass
+class TestGrade:
+    name: str
+    passed: bool
+    message: str = ""
+    hint: str = ""
+    hidden: bool = False
 
 
 @dataclass
 class TaskGrade:
     id: str
-    passed: bool
+    points: float  # what the task is worth
+    score: float  # what this notebook earned
     reason: str
+    tests: list[TestGrade] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.points
 
 
 @dataclass
 class NotebookGrade:
     notebook: str
+    student: str
+    chapter: str | None = None
     tasks: list[TaskGrade] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # about the notebook as a whole: errors in its cells
 
     @property
-    def passed(self) -> int:
-        return sum(t.passed for t in self.tasks)
+    def score(self) -> float:
+        return sum(t.score for t in self.tasks)
 
     @property
-    def total(self) -> int:
-        return len(self.tasks)
+    def max_score(self) -> float:
+        return sum(t.points for t in self.tasks)
 
     def to_dict(self) -> dict:
-        return {"notebook": self.notebook, "tasks": [asdict(t) for t in self.tasks], "passed": self.passed,
-                "total": self.total}
+        return {"notebook": self.notebook, "student": self.student, "chapter": self.chapter,
+                "score": round(self.score, 4), "max_score": self.max_score, "notes": self.notes,
+                "tasks": [asdict(t) | {"score": round(t.score, 4)} for t in self.tasks]}
 
 
-def _run_notebook(path: Path, out_file: Path, timeout_s: float) -> str | None:
-    """Execute `path` in a fresh process; returns why it stopped early (None if it ran to the end)."""
-    env = dict(os.environ, **{GRADE_OUT_ENV: str(out_file)})
-    cmd = [sys.executable, "-m", "minillm.grading.grade", "--worker", str(path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker and its kernel
-        proc.communicate()
-        return f"the notebook did not finish within {timeout_s:g} s (time limit)"
-    if proc.returncode != 0:
-        reasons = [ln[len(STOP_PREFIX):] for ln in stdout.splitlines() if ln.startswith(STOP_PREFIX)]
-        if reasons:
-            return reasons[-1]
-        last = [ln for ln in stderr.strip().splitlines() if ln.strip()][-1:]
-        return f"the notebook's process exited with status {proc.returncode}" + (f": {last[0]}" if last else "")
-    return None
-
-
-def _worker(path: str) -> int:
-    """Run one notebook top to bottom in a kernel (the child process of `_run_notebook`)."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
-
-    nb_path = Path(path)
-    try:
-        nb = nbformat.read(nb_path, as_version=4)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-        print(f"{STOP_PREFIX}not a readable notebook: {type(exc).__name__}: {exc}")
-        return 1
-    client = NotebookClient(nb, timeout=None, kernel_name="python3",
-                            resources={"metadata": {"path": str(nb_path.parent.resolve())}})
-    try:
-        client.execute()
-    except CellExecutionError as exc:
-        code_cells = [c for c in nb.cells if c.cell_type == "code"]
-        failed = [i for i, c in enumerate(code_cells, 1) if any(o.get("output_type") == "error" for o in c.outputs)]
-        where = f"code cell {failed[0]}" if failed else "a cell"
-        print(f"{STOP_PREFIX}the notebook crashed in {where}: {exc.ename}: {exc.evalue}")
-        return 1
-    except Exception as exc:  # noqa: BLE001 - a kernel that will not start, etc.
-        print(f"{STOP_PREFIX}the notebook could not be run: {type(exc).__name__}: {exc}")
-        return 1
-    return 0
-
-
-def _read_checks(out_file: Path) -> dict[str, TaskGrade]:
-    seen: dict[str, TaskGrade] = {}
-    for line in out_file.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            seen[record["id"]] = TaskGrade(record["id"], bool(record["passed"]), str(record["reason"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return seen  # a task checked twice keeps its last verdict
+def student_name(path: Path, book: Book) -> str:
+    """alice/00_the_model.ipynb -> "alice"; alice.ipynb -> "alice"."""
+    return path.parent.name if book.chapter_of_notebook(path) is not None else path.stem
 
 
 def grade_notebook(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, chapter_id: str | None = None,
-                   book_path: str | Path | None = None) -> NotebookGrade:
-    """Run one notebook and grade every task of its chapter. Never raises for a bad notebook.
+                   memory_bytes: int = DEFAULT_MEMORY_BYTES, book_path: str | Path | None = None) -> NotebookGrade:
+    """Run one notebook in a sandbox and grade every task of its chapter. Never raises for a bad notebook.
 
     The chapter is `chapter_id` if given, else the book.yml chapter whose notebook has this file
-    name, else the chapter of the task ids the notebook checked.
+    name, else the chapter of the task ids the notebook's `check` calls name.
     """
-    from minillm.book import load_book
+    import nbformat
 
-    path = Path(path)
-    grade = NotebookGrade(notebook=str(path))
     book = load_book(book_path)
+    path = Path(path)
+    grade = NotebookGrade(notebook=str(path), student=student_name(path, book))
     chapter = book.chapter(chapter_id) if chapter_id else book.chapter_of_notebook(path)
-    if not path.is_file():
-        tasks = chapter.tasks if chapter else ["?"]
-        grade.tasks = [TaskGrade(t, False, f"notebook {path} not found") for t in tasks]
-        return grade
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = Path(tmp) / "checks.jsonl"
-        out_file.touch()
-        stopped = _run_notebook(path, out_file, timeout_s)
-        seen = _read_checks(out_file)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except FileNotFoundError:
+        return _all_failed(grade, chapter, f"notebook {path} not found")
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        return _all_failed(grade, chapter, f"not a readable notebook: {type(exc).__name__}: {exc}")
+    src = read_source([c.source for c in nb.cells if c.cell_type == "code"])
     if chapter is None:
-        prefixes = {task_id.split(".")[0] for task_id in seen}
-        if len(prefixes) == 1:
-            chapter = book.chapter(prefixes.pop())
-        else:
-            why = f"; it stopped early: {stopped}" if stopped else ""
-            grade.tasks.append(TaskGrade("?", False, f"cannot tell which chapter {path.name} belongs to (its name is "
-                                         f"not in book.yml and it checked tasks {sorted(seen)}{why}); "
-                                         "pass --chapter NN."))
-            return grade
-    for task_id in chapter.tasks:
-        if task_id in seen:
-            grade.tasks.append(seen[task_id])
-        elif stopped:
-            grade.tasks.append(TaskGrade(task_id, False, f"not reached: {stopped}"))
-        else:
-            grade.tasks.append(TaskGrade(task_id, False, f"no check({task_id!r}, ...) cell ran in this notebook"))
+        prefixes = {task_id.split(".")[0] for task_id in src.checked}
+        if len(prefixes) != 1:
+            return _all_failed(grade, None, f"cannot tell which chapter {path.name} belongs to (its name is not in "
+                                            f"book.yml and it checks tasks {sorted(src.checked)}); pass --chapter NN.")
+        chapter = book.chapter(prefixes.pop())
+    grade.chapter = chapter.id
+    grade.notes += [f"code cell {n} is not valid Python" for n in src.unparsed]
+    with Sandbox(path, timeout_s=timeout_s, memory_bytes=memory_bytes) as sandbox:
+        try:
+            sandbox.start()
+        except SandboxError as exc:
+            return _all_failed(grade, chapter, f"the notebook could not be run: {exc}")
+        grade.notes += sandbox.cell_errors
+        for task_id in chapter.tasks:
+            grade.tasks.append(grade_task(task_id, chapter.points[task_id], src, sandbox, sandbox.cell_errors))
     return grade
 
 
-def write_csv(grades: list[NotebookGrade], path: str) -> None:
-    """One row per notebook: notebook, passed, total, then 1/0 per task id."""
-    task_ids = sorted({t.id for g in grades for t in g.tasks})
+def _all_failed(grade: NotebookGrade, chapter: Chapter | None, reason: str) -> NotebookGrade:
+    grade.chapter = chapter.id if chapter else None
+    grade.notes.append(reason)
+    tasks = chapter.tasks if chapter else ["?"]
+    points = chapter.points if chapter else {"?": 0.0}
+    grade.tasks = [TaskGrade(t, points[t], 0.0, reason) for t in tasks]
+    return grade
+
+
+def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbox,
+               cell_errors: list[str]) -> TaskGrade:
+    """One task: the source check, then every test run here on the answer that lives in the sandbox."""
+    task = get_task(task_id)
+    expression = src.checked.get(task_id, task.answer_name)
+    if not defines(src, expression):
+        why = f"the notebook defines no `{expression}` (the task's function; hand it in with check({task_id!r}, ...))"
+        return TaskGrade(task_id, points, 0.0, why)
+    misuse = forbidden_use(src, expression, task.forbidden)
+    if misuse:
+        return TaskGrade(task_id, points, 0.0, f"no credit: `{expression}` is not your own code: {misuse}. "
+                                               "Write it yourself.")
+    answer = RemoteAnswer(sandbox, expression, task.forbidden)
+    result = run_task(task_id, answer)
+    hidden = {t.name for t in task.tests if t.hidden}
+    tests = [TestGrade(r.name, r.passed, r.message, r.hint, r.name in hidden) for r in result.results]
+    if answer.forbidden_calls:
+        called = ", ".join(sorted(answer.forbidden_calls))
+        return TaskGrade(task_id, points, 0.0, f"no credit: while it was tested, `{expression}` called {called}, "
+                                               "which already does the task. Write it yourself.", tests)
+    score = points * result.n_passed / len(result.results) if result.results else 0.0
+    if result.passed:
+        reason = f"all {len(tests)} tests passed"
+    else:
+        first = next(t for t in tests if not t.passed)
+        reason = (f"{len(tests) - result.n_passed} of {len(tests)} tests failed; first: "
+                  f"{'(hidden) ' if first.hidden else ''}{first.name}: {first.message}")
+        if "NameError" in first.message and cell_errors:
+            reason += f" (the notebook had errors: {cell_errors[0]})"
+    return TaskGrade(task_id, points, score, reason, tests)
+
+
+# ---- many notebooks -----------------------------------------------------------------------------
+
+
+def find_notebooks(paths: list[str]) -> list[Path]:
+    """Files as given; folders searched for .ipynb files (checkpoints skipped), sorted."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(f for f in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in f.parts)
+        else:
+            found.append(p)
+    return found
+
+
+def load_extra_tests(folder: str | Path) -> int:
+    """Import every .py file of `folder` (sorted); the tests they add are marked hidden. Returns how many."""
+    from minillm.grading.check import TASKS
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.py"))
+    if not files:
+        raise ValueError(f"--extra-tests {folder}: no .py files there; each file adds tests with "
+                         "get_task('NN.task').test('name')(fn).")
+    get_task(next(iter(TASKS), "00.param_count"))  # load every chapter's tasks first
+    before = {task_id: len(task.tests) for task_id, task in TASKS.items()}
+    for file in files:
+        spec = importlib.util.spec_from_file_location(f"minillm_extra_tests.{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ValueError(f"--extra-tests: {file} failed to load: {type(exc).__name__}: {exc}") from None
+    added = 0
+    for task_id, task in TASKS.items():
+        for test in task.tests[before.get(task_id, 0):]:
+            test.hidden = True
+            added += 1
+    return added
+
+
+def grade_all(notebooks: list[Path], jobs: int = 1, progress: bool = True, **kwargs: object) -> list[NotebookGrade]:
+    """Grade many notebooks, `jobs` at a time (each in its own sandbox), in the order given."""
+    from tqdm.auto import tqdm
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
+            tqdm(total=len(notebooks), desc="grading", unit="notebook", disable=not progress,
+                 file=sys.stderr) as bar:
+        futures = [pool.submit(grade_notebook, nb, **kwargs) for nb in notebooks]
+        for future in futures:
+            future.add_done_callback(lambda _: bar.update(1))
+        return [f.result() for f in futures]
+
+
+def write_csv(grades: list[NotebookGrade], path: str | Path) -> None:
+    """The gradebook: one row per student, a column of points per task, then total and maximum."""
+    task_ids = sorted({t.id for g in grades for t in g.tasks if t.id != "?"})
+    rows: dict[str, dict[str, float]] = {}
+    maxima: dict[str, float] = {}
+    for g in grades:
+        row = rows.setdefault(g.student, {})
+        for t in g.tasks:
+            row[t.id] = t.score
+            maxima[t.id] = t.points
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", "passed", "total", *task_ids])
-        for g in grades:
-            marks = {t.id: int(t.passed) for t in g.tasks}
-            writer.writerow([g.notebook, g.passed, g.total, *(marks.get(t, "") for t in task_ids)])
+        writer.writerow(["student", *task_ids, "total", "max"])
+        for student, row in sorted(rows.items()):
+            scores = [round(row[t], 4) if t in row else "" for t in task_ids]
+            total = sum(row.get(t, 0.0) for t in task_ids)
+            writer.writerow([student, *scores, round(total, 4), sum(maxima[t] for t in task_ids)])
 
 
 def format_report(grades: list[NotebookGrade]) -> str:
     lines = []
     for g in grades:
-        lines.append(f"{g.notebook}: {g.passed}/{g.total} tasks passed")
+        lines.append(f"{g.student} ({g.notebook}): {g.score:g}/{g.max_score:g} points")
         for t in g.tasks:
-            lines.append(f"  {'PASS' if t.passed else 'FAIL'}  {t.id:<18} {t.reason}")
+            mark = "PASS" if t.passed else ("PART" if t.score > 0 else "FAIL")
+            lines.append(f"  {mark}  {t.id:<22} {t.score:>5.3g}/{t.points:<4g} {t.reason}")
     if len(grades) > 1:
-        lines.append(f"total: {sum(g.passed for g in grades)}/{sum(g.total for g in grades)} tasks passed "
+        lines.append(f"total: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g} points "
                      f"in {len(grades)} notebooks")
     return "\n".join(lines)
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from minillm.book import load_book
-
     if args.chapter:
         load_book().chapter(args.chapter)  # an unknown chapter is a usage error, before any work
-    grades = [grade_notebook(nb, timeout_s=args.timeout, chapter_id=args.chapter) for nb in args.notebooks]
+    if args.extra_tests:
+        added = load_extra_tests(args.extra_tests)
+        print(f"loaded {added} hidden tests from {args.extra_tests}", file=sys.stderr)
+    notebooks = find_notebooks(args.notebooks)
+    if not notebooks:
+        raise ValueError(f"no notebooks found in {' '.join(args.notebooks)}")
+    grades = grade_all(notebooks, jobs=args.jobs, progress=not args.no_progress, timeout_s=args.timeout,
+                       chapter_id=args.chapter, memory_bytes=int(args.memory_gb * 2**30))
     print(format_report(grades))
     if args.csv:
         write_csv(grades, args.csv)
@@ -200,18 +279,17 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
 def add_grade_command(sub: argparse._SubParsersAction) -> None:
     """Register `minillm grade` on the CLI's subparsers."""
-    p = sub.add_parser("grade", help="run exercise notebooks and report which tasks pass",
-                       description="Run each notebook in its own process and report per-task pass/fail.")
-    p.add_argument("notebooks", nargs="+", metavar="NOTEBOOK", help="exercise notebooks to grade")
+    p = sub.add_parser("grade", help="grade exercise notebooks (each run in a sandbox; tests run by the grader)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("notebooks", nargs="+", metavar="PATH", help="exercise notebooks, or folders of them")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds each notebook may run (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_BYTES / 2**30,
+                   help="memory each notebook may use, GiB (default %(default)g)")
     p.add_argument("--chapter", metavar="NN", help="the chapter the notebooks belong to (default: from file names)")
-    p.add_argument("--csv", metavar="FILE", help="also write a gradebook as CSV")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--extra-tests", metavar="DIR", help="a folder of .py files adding hidden tests to tasks")
+    p.add_argument("--csv", metavar="FILE", help="also write the gradebook as CSV (a row per student)")
+    p.add_argument("--json", metavar="FILE", help="also write every result, with reasons, as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_grade)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_worker(sys.argv[2]))
-    sys.exit("usage: python -m minillm.grading.grade --worker NOTEBOOK (used by `minillm grade`)")

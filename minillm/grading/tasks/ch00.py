@@ -26,6 +26,7 @@ param_count = register_task(
     "00.param_count",
     "count_params(config: ModelConfig) -> int  (Llama-family, no biases, no q/k-norm)",
     reference=reference_param_count,
+    forbid=("minillm.metrics.param_count", "minillm.model.Transformer.num_parameters"),
 )
 
 # Published shapes (Hugging Face config.json of each model).
@@ -96,6 +97,7 @@ rms_norm = register_task(
     "00.rms_norm",
     "rms_norm(x: Tensor[..., dim], weight: Tensor[dim], eps: float) -> Tensor[..., dim]",
     reference=reference_rms_norm,
+    forbid=("minillm.model.RMSNorm", "torch.nn.functional.rms_norm", "torch.rms_norm", "torch.nn.RMSNorm"),
 )
 
 
@@ -151,6 +153,7 @@ rotary = register_task(
     "00.rotary",
     "apply_rope(x: Tensor[B, H, T, D], positions: Tensor[T] (int), theta: float) -> Tensor[B, H, T, D]",
     reference=reference_apply_rope,
+    forbid=("minillm.model.apply_rotary", "minillm.model.RotaryEmbedding"),
 )
 
 _ROPE_HINT = ("pair x[..., i] with x[..., i + D/2] (rotate-half), angle = position × theta^(-2i/D); "

@@ -63,6 +63,7 @@ top_p = register_task(
     "01.top_p",
     "top_p_filter(logits: Tensor[B, V], p: float) -> Tensor[B, V]  (removed tokens at -inf)",
     reference=reference_top_p,
+    forbid=("minillm.sampling.top_p_filter",),
 )
 
 
@@ -112,6 +113,7 @@ min_p = register_task(
     "01.min_p",
     "min_p_filter(logits: Tensor[B, V], p: float) -> Tensor[B, V]  (removed tokens at -inf)",
     reference=reference_min_p,
+    forbid=("minillm.sampling.min_p_filter",),
 )
 
 
@@ -160,6 +162,7 @@ repetition_penalty = register_task(
     "01.repetition_penalty",
     "apply_repetition_penalty(logits: Tensor[B, V], token_ids: list[list[int]], penalty: float) -> Tensor[B, V]",
     reference=reference_repetition_penalty,
+    forbid=("minillm.sampling.apply_repetition_penalty",),
 )
 
 
@@ -218,6 +221,7 @@ beam = register_task(
     "beam_step(logprobs: Tensor[num_beams, V], beam_scores: Tensor[num_beams], num_beams: int, "
     "num_candidates: int | None = None) -> (next_scores[K], parent_idx[K], token_idx[K])",
     reference=reference_beam_step,
+    forbid=("minillm.beam.beam_step",),
 )
 
 FLATTEN_HINT = ("rank all num_beams x V candidates together: add beam_scores[:, None] to logprobs, flatten to "
@@ -352,6 +356,7 @@ regex_mask = register_task(
     "01.regex_mask",
     "allowed_tokens(dfa: RegexDFA, state: int, token_bytes: list[bytes | None]) -> BoolTensor[V]",
     reference=reference_allowed_tokens,
+    forbid=("minillm.constrained.TokenIndex",),
 )
 
 TOY_VOCAB: list[bytes | None] = [None, b"1", b"12", b"2-", b"-", b"-ab", b"a", b"ab", b"abc", b"9x", b"x",

@@ -14,7 +14,7 @@ import torch
 
 from minillm import metrics
 from minillm.config import ModelConfig
-from minillm.grading.check import MismatchError, expect_close, expect_equal, register_task
+from minillm.grading.check import MismatchError, call_probed, expect_close, expect_equal, register_task
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 
@@ -30,6 +30,7 @@ kv_bytes = register_task(
     "02.kv_bytes",
     "kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype_bytes: float = 2) -> number of bytes",
     reference=reference_kv_cache_bytes,
+    forbid=("minillm.metrics.kv_cache_bytes", "minillm.kv_cache.KVCache.nbytes"),
 )
 
 
@@ -118,6 +119,8 @@ cached_decode = register_task(
     "02.cached_decode",
     "greedy_decode_cached(model: Transformer, prompt_ids: list[int], n_new: int) -> list[int]  (uses a KVCache)",
     reference=reference_greedy_decode_cached,
+    forbid=("minillm.generate.generate", "minillm.generate.generate_stream", "minillm.generate.prefill",
+            "minillm.generate.decode_one_token", "minillm.parallel_sampling.generate_n", "minillm.beam.beam_search"),
 )
 
 
@@ -137,8 +140,9 @@ def _tiny_model(seed: int, n_kv_heads: int = 2) -> Transformer:
     return Transformer(config).eval()
 
 
-def _run_counting(fn: Callable, model: Transformer, prompt: list[int], n_new: int) -> tuple[object, int]:
-    """Call the reader's function; count the token positions that go through the model's embedding."""
+def count_embedded_positions(answer: Callable, model: Transformer, prompt: list[int], n_new: int) -> tuple[object, int]:
+    """A probe (see `grading.check.call_probed`): the answer's result, and how many token positions it
+    pushed through the model's embedding."""
     seen = [0]
 
     def count(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -146,10 +150,15 @@ def _run_counting(fn: Callable, model: Transformer, prompt: list[int], n_new: in
 
     handle = model.embed_tokens.register_forward_hook(count)
     try:
-        got = fn(model, list(prompt), n_new)
+        got = answer(model, list(prompt), n_new)
     finally:
         handle.remove()
     return got, seen[0]
+
+
+def _run_counting(fn: Callable, model: Transformer, prompt: list[int], n_new: int) -> tuple[object, int]:
+    """Call the reader's function; count the token positions that go through the model's embedding."""
+    return call_probed(fn, count_embedded_positions, model, prompt, n_new)
 
 
 def _check_tokens(got: object, expected: list[int], what: str) -> None:
@@ -241,6 +250,7 @@ online_softmax = register_task(
     "02.online_softmax",
     "online_attention(q: Tensor[T_q, d], k: Tensor[T_k, d], v: Tensor[T_k, d_v], block_size: int) -> Tensor[T_q, d_v]",
     reference=reference_online_attention,
+    forbid=("torch.nn.functional.scaled_dot_product_attention", "minillm.model.grouped_query_attention"),
 )
 
 
@@ -307,6 +317,7 @@ max_batch = register_task(
     "02.max_batch",
     "max_batch_size(config, gpu_memory_bytes, seq_len, weight_bits=16, kv_dtype_bytes=2, reserve_bytes=0) -> int",
     reference=reference_max_batch_size,
+    forbid=("minillm.metrics.max_batch_size",),
 )
 
 
