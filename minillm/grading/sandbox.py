@@ -414,31 +414,14 @@ def _count_own_processes() -> int:
     return count
 
 
-def _resolve(dotted: str) -> Any:
-    """The object at a dotted path such as "minillm.model.RMSNorm.forward" (None if there is none)."""
-    import importlib
-
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[i:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return None
-        return obj
-    return None
-
-
 def _watch_list(forbid: list[str]) -> tuple[dict[Any, str], dict[int, str]]:
     """Code objects (Python functions, and the methods of classes) and builtins to watch, by name."""
+    from minillm.grading.forgery import resolve
+
     codes: dict[Any, str] = {}
     builtins: dict[int, str] = {}
     for name in forbid:
-        obj = _resolve(name)
+        obj = resolve(name)
         targets = list(vars(obj).values()) if isinstance(obj, type) else [obj]
         for target in targets:
             target = target.fget if isinstance(target, property) else getattr(target, "__func__", target)
