@@ -9,13 +9,20 @@ chapter 02:
     fused_add_rms_norm(x, residual, weight, eps)  residual add + RMSNorm in one pass over memory
     fused_add_rms_norm_reference(...)             the same as separate PyTorch operations
 
+and chapter 03 adds the decode kernel:
+
+    decode_attention(q, k, v, lengths, scale)     one query per sequence vs its KV cache: each KV head read
+                                                  once for its query heads, the sequence split across programs
+    decode_attention_reference(...)               the same in plain PyTorch
+
 `import minillm.kernels` works on a machine without Triton: the names are then missing, and
 asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
-only on CUDA (see `minillm.model.use_triton_attention`). To run the kernels on a CPU, through
-Triton's interpreter, set TRITON_INTERPRET=1 before anything imports triton.
+(prefill) and `decode_attention` (decode) only on CUDA (see `minillm.model.use_triton_attention`).
+To run the kernels on a CPU, through Triton's interpreter, set TRITON_INTERPRET=1 before anything
+imports triton.
 
-The function `flash_attention` shadows its module of the same name here: `import
-minillm.kernels.flash_attention as m` gives the function. Reach the module's other names with
+The functions `flash_attention` and `decode_attention` shadow their modules of the same name here:
+`import minillm.kernels.flash_attention as m` gives the function. Reach the module's other names with
 `from minillm.kernels.flash_attention import ...` (or `sys.modules`).
 """
 
@@ -23,11 +30,13 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["attention_reference", "flash_attention", "fused_add_rms_norm", "fused_add_rms_norm_reference"]
+__all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
+           "fused_add_rms_norm", "fused_add_rms_norm_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 if TRITON_AVAILABLE:
+    from .decode_attention import decode_attention, decode_attention_reference
     from .flash_attention import attention_reference, flash_attention
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
 else:

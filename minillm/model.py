@@ -192,9 +192,15 @@ def grouped_query_attention(
     Query heads h*G .. h*G+G-1 use K/V head h, so we fold each group's G heads into the query
     axis, [B, H_kv, G*T, d], and attend once per K/V head: K and V are never copied per query head.
     With mask=CAUSAL the Triton FlashAttention kernel runs where it can (it maps each query head to
-    its K/V head itself); elsewhere CAUSAL becomes an explicit mask.
+    its K/V head itself); elsewhere CAUSAL becomes an explicit mask. A decode step (T = 1, no mask)
+    on CUDA runs the Triton decode kernel, which reads each K/V head once for its G query heads
+    (chapter 03).
     """
     B, H, T, d = q.shape
+    if T == 1 and mask is None and use_triton_attention(q, d):
+        from minillm.kernels import decode_attention
+
+        return decode_attention(q[:, :, 0], k, v)[:, :, None]
     if isinstance(mask, str):  # CAUSAL
         if use_triton_attention(q, d):
             from minillm.kernels import flash_attention

@@ -25,7 +25,13 @@ if not CUDA:  # must precede the kernels' import: Triton reads it when @triton.j
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton): the kernels need it")
 import minillm.kernels  # noqa: E402
-from minillm.kernels import attention_reference, flash_attention, fused_add_rms_norm  # noqa: E402
+from minillm.kernels import (  # noqa: E402
+    attention_reference,
+    decode_attention,
+    decode_attention_reference,
+    flash_attention,
+    fused_add_rms_norm,
+)
 from minillm.kernels.rmsnorm import fused_add_rms_norm_reference  # noqa: E402
 
 FA = sys.modules["minillm.kernels.flash_attention"]
@@ -224,6 +230,99 @@ def test_model_keeps_pytorch_attention_on_cpu(monkeypatch):
                                rtol=1e-5)
 
 
+# ---------------------------------------------------------------- the decode kernel (chapter 03)
+
+
+def random_decode(B, H, H_kv, S, D, dtype, seed=0, device=DEVICE):  # noqa: N803 - shape names
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g).to(device, dtype)
+    k = torch.randn(B, H_kv, S, D, generator=g).to(device, dtype)
+    v = torch.randn(B, H_kv, S, D, generator=g).to(device, dtype)
+    return q, k, v
+
+
+# (B, H, H_kv, lengths, D): MHA, GQA 2/4/8, MQA; one key up to 4k; a batch of different lengths
+DECODE_SHAPES = [
+    (1, 4, 4, [1], 16),  # MHA, a single key
+    (2, 4, 4, [37, 5], 64),  # MHA, ragged
+    (2, 4, 2, [80, 33], 32),  # GQA 2
+    (3, 8, 2, [100, 1, 64], 64),  # GQA 4, one sequence of one token
+    (1, 16, 2, [300], 128),  # GQA 8, head_dim 128
+    (2, 8, 1, [129, 70], 32),  # MQA
+    (1, 8, 1, [4096], 16),  # MQA at 4k keys: many chunks
+    (2, 8, 2, [2500, 900], 16),  # GQA 4, long and ragged
+]
+
+
+def _decode_id(s):
+    return "B{}-H{}/{}-L{}-D{}".format(s[0], s[1], s[2], "_".join(map(str, s[3])), s[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=_decode_id)
+def test_decode_attention_matches_reference(shape, dtype):
+    """decode_attention equals the reference (and SDPA with K/V repeated) for ragged GQA/MQA/MHA batches."""
+    B, H, H_kv, lens, D = shape
+    S = max(lens) + 3  # the cache holds a few slots nobody filled: they must not be read
+    q, k, v = random_decode(B, H, H_kv, S, D, dtype, seed=sum(lens) + H)
+    k[:, :, max(lens):] = float("nan")  # reading an unfilled slot would poison the output
+    lengths = torch.tensor(lens, device=DEVICE)
+    got = decode_attention(q, k, v, lengths)
+    assert got.shape == (B, H, D) and got.dtype == dtype and torch.isfinite(got).all()
+    assert_close(got, decode_attention_reference(q, k, v, lengths), dtype, f"vs reference at {shape}")
+    for b, n in enumerate(lens):  # each sequence alone, through SDPA
+        expected = sdpa(q[b:b + 1, :, None], k[b:b + 1, :, :n], v[b:b + 1, :, :n], causal=False)[:, :, 0]
+        assert_close(got[b:b + 1], expected, dtype, f"sequence {b} (length {n}) vs SDPA at {shape}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_decode_attention_any_number_of_splits_gives_the_same_answer(num_splits):
+    """The split count only changes how the keys are shared out, never the result (ragged, GQA 4)."""
+    q, k, v = random_decode(2, 8, 2, 700, 32, torch.float32, seed=3)
+    lengths = torch.tensor([700, 450], device=DEVICE)
+    got = decode_attention(q, k, v, lengths, num_splits=num_splits)
+    assert_close(got, decode_attention_reference(q, k, v, lengths), torch.float32, f"{num_splits} splits")
+
+
+def test_decode_attention_bf16_strided_cache_and_scale():
+    """A view into a larger cache (the model's layout), bf16 (upcast under the interpreter), custom scale."""
+    q, k, v = random_decode(2, 4, 2, 96, 64, torch.bfloat16, seed=4)
+    k, v = k[:, :, :61], v[:, :, :61]  # non-contiguous: the filled part of a bigger cache
+    got = decode_attention(q, k, v, scale=0.2)
+    assert_close(got, decode_attention_reference(q, k, v, scale=0.2), torch.bfloat16, "bf16 strided")
+
+
+def test_decode_split_heuristic_fills_the_gpu_and_respects_short_sequences():
+    from minillm.kernels.decode_attention import MAX_SPLITS, TARGET_PROGRAMS, choose_num_splits
+
+    assert choose_num_splits(1, 8, 32768, 64) * 8 >= TARGET_PROGRAMS  # one long sequence is split up
+    assert choose_num_splits(64, 8, 32768, 64) == 1  # 512 programs already fill the GPU
+    assert choose_num_splits(1, 8, 100, 64) == 1  # too short to split into chunks of two tiles
+    assert choose_num_splits(1, 1, 10**6, 64) == MAX_SPLITS
+
+
+@pytest.mark.parametrize("case, message", [
+    ("q4d", "q must be"), ("heads", "multiple"), ("head_dim", "head_dim 24"), ("dtype", "share one dtype"),
+    ("lengths", "lengths must be"),
+])
+def test_decode_attention_bad_inputs_say_what_to_do(case, message):
+    q, k, v = random_decode(1, 4, 2, 8, 16, torch.float32)
+    lengths = None
+    if case == "q4d":
+        q = q[:, :, None]
+    elif case == "heads":
+        k = v = torch.randn(1, 3, 8, 16, device=DEVICE)
+    elif case == "head_dim":
+        q, k, v = random_decode(1, 4, 2, 8, 24, torch.float32)
+    elif case == "dtype":
+        k = k.half()
+        v = v.half()
+    elif case == "lengths":
+        lengths = torch.tensor([3.0], device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, k, v, lengths)
+
+
 # ---------------------------------------------------------------- CUDA only: real lengths, bf16, dispatch
 
 
@@ -280,3 +379,46 @@ def test_model_prefill_dispatches_to_triton_on_cuda(monkeypatch):
         assert not calls, "MINILLM_TRITON=0 must keep the PyTorch path"
         rel = ((got - expected).norm() / expected.norm()).item()
         assert rel < 2e-2, f"Triton vs PyTorch attention logits differ by {rel:.2e} (relative L2), chunked={chunked}"
+
+
+@cuda_only
+@pytest.mark.parametrize("B, H, H_kv, S", [(1, 32, 8, 32768), (16, 32, 8, 4096), (64, 32, 8, 1024), (4, 16, 16, 2000),
+                                         (8, 32, 1, 5000)])
+def test_cuda_decode_attention_bf16_at_real_lengths(B, H, H_kv, S):  # noqa: N803
+    q, k, v = random_decode(B, H, H_kv, S, 128, torch.bfloat16, device="cuda")
+    lengths = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(B)).cuda()
+    lengths[0] = S
+    got = decode_attention(q, k, v, lengths)
+    assert_close(got, decode_attention_reference(q, k, v, lengths), torch.bfloat16, f"B={B} S={S} {H}/{H_kv}")
+
+
+@cuda_only
+def test_model_decode_dispatches_to_the_decode_kernel_on_cuda(monkeypatch):
+    """A cached decode step on CUDA runs decode_attention once per layer and agrees with MINILLM_TRITON=0."""
+    from conftest import random_hf_model
+
+    import minillm
+    from minillm import KVCache
+
+    hf = random_hf_model("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)  # head_dim 32
+    model = minillm.from_transformers(hf).to("cuda", torch.bfloat16)
+    tokens = torch.randint(0, 320, (2, 41), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    calls = []
+    kernel = minillm.kernels.decode_attention
+    monkeypatch.setattr(minillm.kernels, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+
+    def decode_last() -> torch.Tensor:
+        cache = KVCache(model.config, 2, 64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            model(tokens[:, :40], cache=cache)
+            return model(tokens[:, 40:], cache=cache).float()
+
+    monkeypatch.delenv("MINILLM_TRITON", raising=False)
+    got = decode_last()
+    assert len(calls) == model.config.n_layers, f"decode kernel ran {len(calls)} times"
+    monkeypatch.setenv("MINILLM_TRITON", "0")
+    calls.clear()
+    expected = decode_last()
+    assert not calls
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 2e-2, f"decode kernel vs PyTorch logits differ by {rel:.2e} (relative L2)"

@@ -1,0 +1,209 @@
+"""Decode attention on a GPU: minillm's Triton kernel against PyTorch SDPA and the copy ceiling (chapter 03).
+
+One query token per sequence attends to a bf16 KV cache of L tokens, with the shape of Llama-3-8B's
+attention (32 query heads, 8 KV heads, head_dim 128: GQA 8:1), for batch B = 1..64 and L = 1k..32k.
+The kernel must read K and V once each: 2 x B x H_kv x L x D x 2 bytes (plus q and the output,
+counted too). Its time against those bytes gives GB/s, compared with the device-to-device copy
+bandwidth measured in the same run (bytes read + bytes written by a large `clone`).
+
+Compared, on the same inputs:
+- `triton`:      minillm.kernels.decode_attention (each KV head read once for its group of 32 / 8 = 4
+                 query heads; split along the sequence so that small batches fill the GPU);
+- `sdpa_gqa`:    torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True) on the same cache;
+- `sdpa_expand`: SDPA on K/V already expanded to 32 heads (what a cache stored per query head costs:
+                 4x the bytes; the expansion itself is not timed).
+A ragged batch (16 sequences of random lengths up to 32k in a 32k cache) shows what reading only the
+filled part of each sequence saves. A small sweep of tile sizes and split counts comes first; the
+kernel's defaults are set from it.
+
+Every configuration is checked against the reference before it is timed. Timing is
+`triton.testing.do_bench` (median, L2 cleared between runs).
+
+    python benchmarks/decode_attention.py            # writes results/decode_attention_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import write_results
+
+MAX_ERROR = 2e-2  # bf16 outputs of magnitude < 1: a few bf16 ulps
+
+
+def copy_bandwidth(do_bench) -> float:  # noqa: ANN001
+    """Device-to-device copy bandwidth, bytes read + written per second, on 2 GiB."""
+    x = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() * x.element_size() / ms * 1e3
+
+
+def inputs(B: int, H: int, H_kv: int, L: int, D: int, seed: int = 0):  # noqa: N803, ANN201
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def must_read(B: int, H: int, H_kv: int, L: int, D: int) -> int:  # noqa: N803
+    """K and V once each, q read and the output written, in bf16."""
+    return 2 * (2 * B * H_kv * L * D + 2 * B * H * D)
+
+
+def check(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
+    err = (got.float() - expected.float()).abs().max().item()
+    if not err <= MAX_ERROR:
+        raise SystemExit(f"{what}: max |error| {err:.3g} against the reference; fix the kernel before timing it")
+    return err
+
+
+def sweep(args: argparse.Namespace, decode_attention, do_bench) -> list[dict]:  # noqa: ANN001
+    """Tile size x warps x stages x splits, at three shapes; the defaults are chosen from this."""
+    kernel_module = sys.modules["minillm.kernels.decode_attention"]  # its launch settings are patched below
+    rows = []
+    for B, L in [(1, 32768), (16, 4096), (64, 1024)]:
+        q, k, v = inputs(B, args.heads, args.kv_heads, L, args.head_dim)
+        expected = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+        nbytes = must_read(B, args.heads, args.kv_heads, L, args.head_dim)
+        for block_n in (32, 64, 128):
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                for splits in (None, 4, 16, 64):
+                    kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = warps, stages
+                    fn = lambda: decode_attention(q, k, v, num_splits=splits, block_n=block_n)  # noqa: B023, E731
+                    try:
+                        check(fn(), expected, f"sweep B={B} L={L} block_n={block_n}")
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: recorded, not fatal
+                        rows.append({"batch": B, "seq_len": L, "block_n": block_n, "warps": warps,
+                                     "stages": stages, "splits": splits, "error": str(exc)[:200]})
+                        continue
+                    ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                    rows.append({"batch": B, "seq_len": L, "block_n": block_n, "warps": warps, "stages": stages,
+                                 "splits": splits or "auto", "ms": ms, "gbs": nbytes / ms / 1e6})
+        q = k = v = None  # free the GPU memory before the next shape
+        torch.cuda.empty_cache()
+    kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = args.default_launch
+    return rows
+
+
+def bench(args: argparse.Namespace, decode_attention, decode_attention_reference, do_bench,  # noqa: ANN001
+          copy_gbs: float) -> list[dict]:
+    rows = []
+    H, H_kv, D = args.heads, args.kv_heads, args.head_dim
+    for L in args.seqlens:
+        for B in args.batches:
+            q, k, v = inputs(B, H, H_kv, L, D, seed=B + L)
+            nbytes = must_read(B, H, H_kv, L, D)
+            expected = decode_attention_reference(q[:1], k[:1], v[:1])  # one sequence in fp32 (memory)
+            row = {"batch": B, "seq_len": L, "bytes": nbytes,
+                   "max_abs_error": check(decode_attention(q, k, v)[:1], expected, f"B={B} L={L}")}
+            methods = {
+                "triton": lambda: decode_attention(q, k, v),  # noqa: B023
+                "sdpa_gqa": lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),  # noqa: B023
+            }
+            for name, fn in methods.items():
+                ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / ms / 1e6
+            row["sdpa_expand_ms"] = row["sdpa_expand_gbs"] = None
+            try:
+                ke, ve = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)
+                check(F.scaled_dot_product_attention(q[:1, :, None], ke[:1], ve[:1])[:, :, 0], expected, "sdpa")
+                ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], ke, ve),  # noqa: B023
+                              warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                row["sdpa_expand_ms"], row["sdpa_expand_gbs"] = ms, nbytes / ms / 1e6
+            except torch.OutOfMemoryError:
+                row["sdpa_expand_note"] = "out of GPU memory"
+            row["triton_fraction_of_copy"] = row["triton_gbs"] * 1e9 / copy_gbs
+            rows.append(row)
+            print(f"  B={B:<3} L={L:<6} triton {row['triton_gbs']:6.0f} GB/s ({row['triton_fraction_of_copy']:.0%} "
+                  f"of copy)  sdpa_gqa {row['sdpa_gqa_gbs']:6.0f}", flush=True)
+            q = k = v = ke = ve = None  # free the GPU memory before the next shape
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ragged(args: argparse.Namespace, decode_attention, do_bench) -> dict:  # noqa: ANN001
+    """16 sequences of random lengths in a 32k cache: the kernel reads only what each one holds."""
+    B, L, H, H_kv, D = 16, 32768, args.heads, args.kv_heads, args.head_dim
+    q, k, v = inputs(B, H, H_kv, L, D, seed=7)
+    lengths = torch.randint(1, L + 1, (B,), generator=torch.Generator().manual_seed(7)).cuda()
+    needed = 2 * (2 * int(lengths.sum()) * H_kv * D + 2 * B * H * D)
+    mask = torch.arange(L, device="cuda")[None, :] < lengths[:, None]  # [B, L]
+    ms_ragged = do_bench(lambda: decode_attention(q, k, v, lengths), warmup=args.warmup_ms, rep=args.rep_ms,
+                         return_mode="median")
+    ms_full = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None],
+                                                              enable_gqa=True),
+                       warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    return {"batch": B, "cache_len": L, "mean_len": float(lengths.float().mean()), "bytes_needed": needed,
+            "triton_ms": ms_ragged, "triton_gbs_of_needed": needed / ms_ragged / 1e6,
+            "sdpa_masked_ms": ms_full, "sdpa_masked_gbs_of_needed": needed / ms_full / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-settings sweep")
+    parser.add_argument("--warmup-ms", type=int, default=25)
+    parser.add_argument("--rep-ms", type=int, default=100)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/decode_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
+                 "kernel through Triton's interpreter.")
+    from minillm.kernels import decode_attention, decode_attention_reference
+    from minillm.kernels.decode_attention import GPU_STAGES, GPU_WARPS
+    from triton.testing import do_bench
+
+    args.default_launch = (GPU_WARPS, GPU_STAGES)
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    do_bench(lambda: warm @ warm, warmup=250, rep=1000)  # raise the clocks before the first timing
+    warm = None
+    copy_gbs = copy_bandwidth(do_bench)
+    name = torch.cuda.get_device_name()
+    print(f"{name}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s; decode attention bf16, {args.heads} query / "
+          f"{args.kv_heads} KV heads of {args.head_dim}", flush=True)
+    sweep_rows = [] if args.no_sweep else sweep(args, decode_attention, do_bench)
+    rows = bench(args, decode_attention, decode_attention_reference, do_bench, copy_gbs)
+    ragged_row = ragged(args, decode_attention, do_bench)
+    path = write_results("decode_attention_cuda", {
+        "benchmark": "decode attention, one query per sequence vs a bf16 KV cache: Triton kernel vs SDPA",
+        "settings": {k: v for k, v in vars(args).items() if k != "default_launch"},
+        "launch": {"warps_stages": list(args.default_launch)},
+        "bytes_counted": "2 bytes x (2 x B x H_kv x L x D for K and V + 2 x B x H x D for q and the output)",
+        "copy_bandwidth_gbs": copy_gbs / 1e9,
+        "sweep": sweep_rows,
+        "decode": rows,
+        "ragged": ragged_row,
+    })
+    if sweep_rows:
+        print("\nsweep (GB/s): B, L, block_n, warps, stages, splits")
+        best = {}
+        for r in sweep_rows:
+            key = (r["batch"], r["seq_len"])
+            if "gbs" in r and r["gbs"] > best.get(key, {}).get("gbs", 0):
+                best[key] = r
+        for r in best.values():
+            print(f"  best at B={r['batch']} L={r['seq_len']}: block_n {r['block_n']} warps {r['warps']} "
+                  f"stages {r['stages']} splits {r['splits']}: {r['gbs']:.0f} GB/s")
+    print(f"\ndecode attention GB/s on the bytes it must read; copy {copy_gbs / 1e9:.0f} GB/s")
+    print(f"{'B':>3} {'L':>6} {'triton':>7} {'%copy':>6} {'sdpa_gqa':>9} {'sdpa_exp':>9} {'vs best sdpa':>12}")
+    for r in rows:
+        exp = f"{r['sdpa_expand_gbs']:9.0f}" if r["sdpa_expand_gbs"] else "      oom"
+        best_sdpa = max(r["sdpa_gqa_gbs"], r["sdpa_expand_gbs"] or 0)
+        print(f"{r['batch']:>3} {r['seq_len']:>6} {r['triton_gbs']:7.0f} {r['triton_fraction_of_copy']:6.0%} "
+              f"{r['sdpa_gqa_gbs']:9.0f} {exp} {r['triton_gbs'] / best_sdpa:11.2f}x")
+    g = ragged_row
+    print(f"ragged B=16 in a 32k cache (mean length {g['mean_len']:.0f}): triton {g['triton_ms'] * 1e3:.0f} us, "
+          f"SDPA with a mask {g['sdpa_masked_ms'] * 1e3:.0f} us")
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Decode attention in Triton: one new query per sequence against its KV cache (chapter 03).
+
+A decode step attends one query token per sequence to every key and value the cache holds. The
+work is tiny (2 x T x D multiply-adds per head) and the bytes are not: the whole cache of every
+layer is read once per step. So this kernel is judged by one number, the bandwidth it reaches on
+the bytes it must read, K and V once each, against what the GPU can copy.
+
+Two ideas make it reach that number.
+
+**Grouped-query attention, read once.** With GQA, G = H / H_kv query heads share one key/value
+head. A kernel that loops over query heads (or that copies K and V out to H heads first, as
+`repeat_interleave` does) reads each KV head G times. Here one program takes one KV head and all
+G of its query heads together: the G queries are the rows of a small [G, D] tile, so each K/V tile
+that comes in from memory is used by G queries before it is dropped, and `tl.dot` turns the G dot
+products into one matrix product (G is padded up to 16, the smallest `tl.dot` tile).
+
+**Split the sequence (flash-decoding).** One program per (sequence, KV head) is only B x H_kv
+programs: 8 for one Llama-3-8B sequence, on a GPU with 132 SMs. So the keys are also split into
+`num_splits` chunks, each folded by its own program into a partial result with the online softmax
+of chapter 02 (a running max m, sum l and output o), and a second, small kernel combines the
+partials: with lse_s = m_s + log(l_s) per chunk, out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)
+for M = max_s lse_s. (Dao et al., "Flash-Decoding for long-context inference", 2023.)
+
+Ragged batches: `lengths[b]` says how many of the cache's slots sequence b fills; keys beyond it
+are never read, so a batch of sequences of different lengths costs the bytes each one holds.
+
+Correctness: `decode_attention_reference` is the definition; tests/test_kernels.py compares the two
+at many shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1), and
+benchmarks/decode_attention.py measures GB/s on a GPU against SDPA and the copy bandwidth.
+"""
+
+# ruff: noqa: N803, N806 - Triton kernels name compile-time constants and pointers in capitals
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query per sequence attending to its cache, in plain PyTorch, fp32 inside (chapter 03).
+
+    q [B, H, D], k and v [B, H_kv, S, D] (H a multiple of H_kv), lengths [B] (default: all S) ->
+    [B, H, D] in q's dtype. Sequence b sees keys 0 .. lengths[b] - 1; query head h uses KV head
+    h // (H / H_kv).
+    """
+    B, H, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    group = H // H_kv
+    qg = q.float().reshape(B, H_kv, group, D)  # the G query heads of each KV head, side by side
+    scores = torch.einsum("bkgd,bksd->bkgs", qg, k.float()) * scale  # [B, H_kv, G, S]
+    if lengths is not None:
+        beyond = torch.arange(S, device=q.device)[None, :] >= lengths.to(q.device)[:, None]  # [B, S]
+        scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgs,bksd->bkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Lengths, O_part, LSE_part,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    GROUP, CHUNK, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, kv_h, s): the G query heads of KV head kv_h of sequence b, over keys of chunk s.
+
+    Writes, per query head, the chunk's normalised output o_s [D] and its log-sum-exp (base 2).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    kv_h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    length = tl.load(Lengths + b)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+
+    offs_g = tl.arange(0, BLOCK_G)  # query heads kv_h * GROUP + g, g < GROUP (the rest is padding)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_h * GROUP + offs_g
+    real = offs_g < GROUP
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=real[:, None], other=0.0)  # [BLOCK_G, D]
+    if UPCAST:  # bf16 under the CPU interpreter: dots in fp32
+        q = q.to(tl.float32)
+    k_ptrs = K + b * stride_kb + kv_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    v_ptrs = V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for n in range(start, end, BLOCK_N):
+        cols = n + offs_n
+        inside = cols < end
+        k_t = tl.load(k_ptrs + n * stride_kn, mask=inside[None, :], other=0.0)  # [D, BLOCK_N]
+        v = tl.load(v_ptrs + n * stride_vn, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
+        if UPCAST:
+            k_t, v = k_t.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base-2 scores
+        s = tl.where(inside[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile of the loop holds a key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # a chunk past this sequence's end: weight 0 in the combine
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    o_ptrs = O_part + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out, mask=real[:, None])
+    tl.store(LSE_part + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=real)
+
+
+@triton.jit
+def _combine_kernel(
+    O_part, LSE_part, Out,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_b, stride_h, stride_d,
+    NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    real = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=real, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; chunk 0 always holds key 0, so M is finite
+    o = tl.load(O_part + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :] * stride_od,
+                mask=real[:, None], other=0.0)  # [BLOCK_S, D]
+    out = tl.sum(o * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(Out + b * stride_b + h * stride_h + offs_d * stride_d, out.to(Out.dtype.element_ty))
+
+
+def _interpreted() -> bool:
+    """True when the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
+
+
+# GPU launch settings: keys per tile, warps, pipeline stages; chosen by the sweep in
+# benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
+GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
+INTERPRETER_BLOCK_N = 32
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs): enough to hide memory latency
+MIN_CHUNK_TILES = 2  # a chunk holds at least this many tiles of keys (fewer, and the combine costs more)
+MAX_SPLITS = 64
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int) -> int:
+    """How many chunks to cut each sequence into so that B x H_kv x splits programs fill the GPU."""
+    wanted = triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)
+    most = max(1, triton.cdiv(max_len, MIN_CHUNK_TILES * block_n))
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> None:
+    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"q must be [batch, heads, head_dim] and k, v [batch, kv_heads, seq_len, head_dim] of one shape; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}. For q [B, H, 1, D] pass q[:, :, 0]."
+        )
+    (B, H, D), (B_kv, H_kv, S, D_kv) = q.shape, k.shape
+    if B != B_kv or D != D_kv:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch size and head_dim.")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(f"q's {H} heads must be a multiple of k/v's {H_kv} heads (grouped-query attention).")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported (one of {SUPPORTED_HEAD_DIMS}); use "
+                         "decode_attention_reference instead.")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q, k, v must share one dtype among float16, bfloat16, float32; got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}.")
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"decode_attention needs CUDA tensors, got {q.device}; set TRITON_INTERPRET=1 before "
+                         "importing triton to run it on the CPU (slowly), or call decode_attention_reference.")
+    if S == 0:
+        raise ValueError("k and v hold no keys: a decode step attends to at least its own token.")
+    if lengths is not None and (lengths.shape != (B,) or lengths.dtype.is_floating_point):
+        raise ValueError(f"lengths must be an integer tensor of shape [{B}], got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}.")
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None,
+    scale: float | None = None, *, num_splits: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its KV cache, by the Triton split-K kernel (chapter 03).
+
+    q [B, H, D], k and v [B, H_kv, S, D] (any strides; H a multiple of H_kv), lengths [B] int
+    (keys each sequence fills, 1..S; default all S) -> [B, H, D] in q's dtype, fp32 inside.
+    Each KV head is read once for its H / H_kv query heads. `num_splits` (chunks per sequence) and
+    `block_n` (keys per tile) override the defaults; lengths are not checked against S on the GPU
+    (that would cost a host sync): a length beyond S reads past the cache.
+    """
+    _check_inputs(q, k, v, lengths)
+    B, H, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    if B == 0 or H == 0:
+        return out
+    if lengths is None:
+        lengths = torch.full((B,), S, dtype=torch.int32, device=q.device)
+    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    scale = D**-0.5 if scale is None else float(scale)
+    group = H // H_kv
+    BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else GPU_BLOCK_N)
+    if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {BLOCK_N}.")
+    splits = num_splits or choose_num_splits(B, H_kv, S, BLOCK_N)
+    chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N  # whole tiles per chunk
+    splits = triton.cdiv(S, chunk)
+    upcast = _interpreted() and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    launch = {} if _interpreted() else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}
+
+    o_part = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, H_kv, splits)](
+        q, k, v, lengths, o_part, lse_part,
+        *q.stride(), *k.stride(), *v.stride(), *o_part.stride(), *lse_part.stride(),
+        group, chunk, scale * math.log2(math.e),
+        HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        UPCAST=upcast, DOT_PRECISION=precision, **launch,
+    )
+    _combine_kernel[(B, H)](
+        o_part, lse_part, out,
+        *o_part.stride(), *lse_part.stride(), *out.stride(),
+        splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )
+    return out
