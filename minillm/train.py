@@ -156,6 +156,40 @@ def evaluate(model: Transformer, windows: torch.Tensor, batch_size: int = 32) ->
     return total / count
 
 
+def make_optimizer(model: Transformer, settings: TrainSettings) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices only, not on norms and biases."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+
+
+def sample_batch(ids: torch.Tensor, settings: TrainSettings, generator: torch.Generator) -> torch.Tensor:
+    """batch_size windows of seq_len + 1 tokens at random offsets of `ids` [n_tokens]. [batch_size, seq_len + 1]"""
+    starts = torch.randint(0, len(ids) - settings.seq_len - 1, (settings.batch_size,), generator=generator)
+    return torch.stack([ids[s : s + settings.seq_len + 1] for s in starts.tolist()])
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float) -> torch.Tensor:
+    """One optimiser step on batch [B, T + 1] (inputs [:, :-1], targets [:, 1:]); returns the loss before it.
+
+    Next-token cross-entropy (bf16 autocast on CUDA, fp32 elsewhere), gradients clipped to norm 1.
+    The returned loss is a detached scalar tensor: call `.item()` only when you need the number.
+    """
+    model.train()
+    batch = batch.to(model.device)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(batch[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.detach()
+
+
 def fit(
     config: ModelConfig, train_ids: torch.Tensor, val_ids: torch.Tensor, settings: TrainSettings,
     device: str = "cpu", progress: bool = True,
@@ -165,28 +199,14 @@ def fit(
     model = Transformer(config).to(device)
     init_weights(model)
     hooks = add_dropout(model, settings.dropout) if settings.dropout > 0 else []
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+    optimizer = make_optimizer(model, settings)
     gen = torch.Generator().manual_seed(settings.seed)
     val_windows = batches_for_eval(val_ids, settings.seq_len)
     best, best_state, log = float("inf"), None, []
     start = time.perf_counter()
     bar = tqdm(range(settings.steps), desc="training", disable=not progress)
     for step in bar:
-        model.train()
-        starts = torch.randint(0, len(train_ids) - settings.seq_len - 1, (settings.batch_size,), generator=gen)
-        batch = torch.stack([train_ids[s : s + settings.seq_len + 1] for s in starts.tolist()]).to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, settings)
-        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
-            logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = train_step(model, optimizer, sample_batch(train_ids, settings, gen), lr_at(step, settings))
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
             val = evaluate(model, val_windows)
             log.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val,
