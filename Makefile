@@ -8,6 +8,16 @@
 #
 # `make test` runs the unit tests and, under nbval, every notebook of the chapters book.yml marks
 # written (`python -m minillm.book notebooks` lists them).
+#
+# `make book` runs copies of the chapters and solutions in _build/ and builds the web book from them;
+# the notebooks in chapters/ and solutions/ are only read, so a clone stays clean. Runs are cached in
+# _build/.cache/executed/: a notebook runs again only when its code cells or the engine's files
+# (minillm/, kernels/, results/) change. `python -m minillm.site --no-execute` builds from the
+# committed outputs instead.
+#
+# `make notebooks` is for authors: it re-runs the chapters and solutions in place and saves their
+# outputs into the notebooks, to be committed (one notebook:
+# `python -m minillm.site --execute-sources chapters/01_decoding.ipynb`). It builds no site.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +27,7 @@ TORCH  ?=
 TORCH_CPU_FALLBACK := 2.13.0
 JOBS   ?= 2
 
-.PHONY: setup test book lab lint bench clean
+.PHONY: setup test book notebooks lab lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +59,9 @@ test: setup
 
 book: setup
 	$(PY) -m minillm.site
+
+notebooks: setup
+	$(PY) -m minillm.site --execute-sources
 
 lab: setup
 	$(VENV)/bin/jupyter lab chapters/

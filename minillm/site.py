@@ -1,21 +1,30 @@
 """The book as a static HTML site: `book.yml` -> a Jupyter Book source tree -> `_build/html`.
 
-    python -m minillm.site                # execute the chapters and solutions in place, then build
-    python -m minillm.site --no-execute   # build from the outputs committed in the notebooks
+    python -m minillm.site                    # execute copies of the notebooks in _build/, then build
+    python -m minillm.site --no-execute       # build from the outputs committed in the notebooks
     # -> _build/html/index.html
+    python -m minillm.site --execute-sources  # for authors: re-run the notebooks in place, save their outputs
 
 `build_site()` does four things, in order:
 
 1. reads `book.yml` (`minillm.book.load_book`) and checks that every written chapter has its chapter,
    exercise and solution notebooks (planned chapters are listed on the intro page as "coming" and
    skipped everywhere else);
-2. with `execute=True`, runs the written chapters' and solutions' notebooks in place in the repository
-   with nbclient (exercises are not run: their tasks raise `NotImplementedError` by design);
-3. writes a Jupyter Book source tree under `<out_dir>/src/`: an intro page, copies of the notebooks
-   (chapters, then exercises, then solutions, keeping their repository paths so links between them
-   work), a drill-bank page, and `_config.yml` / `_toc.yml` generated from `book.yml`;
+2. with `execute=True`, runs copies of the written chapters' and solutions' notebooks with nbclient
+   (`executed_copy`; exercises are not run: their tasks raise `NotImplementedError` by design). The
+   notebooks in the repository are only read, so a build never changes a file of the clone. Each run
+   is kept under `<out_dir>/.cache/executed/`, keyed by what its outputs depend on (`execution_key`:
+   the notebook's code cells and the engine's files), so the next build runs again only the notebooks
+   whose code, or the engine, changed;
+3. writes a Jupyter Book source tree under `<out_dir>/src/`: an intro page, the notebooks with their
+   fresh (or committed) outputs (chapters, then exercises, then solutions, keeping their repository
+   paths so links between them work), a drill-bank page, and `_config.yml` / `_toc.yml` generated
+   from `book.yml`;
 4. builds it with Sphinx (through `jupyter-book config sphinx`, so `_config.yml` stays the one place
    the site is configured) into `<out_dir>/html`, and fails with the builder's messages on any error.
+
+Authors refresh the outputs committed in the notebooks with `--execute-sources` (`execute_sources`),
+which runs them in place and saves them; it is the only command that writes a notebook.
 
 The site works with no network: MathJax is fetched once from the npm registry (`npm pack`), cached
 under `<out_dir>/.cache/`, and served from the site's own `_static/`; launch, Thebe, repository and
@@ -25,6 +34,7 @@ widget buttons, which would load code from the internet, are switched off.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -39,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from minillm.book import Book, BookError, Chapter, load_book
+from minillm.book import REPO_ROOT, Book, BookError, Chapter, load_book
 from minillm.grading.drills import DRILLS_DIR, Drill, DrillError, load_drills, render_markdown
 
 MATHJAX_VERSION = "3.2.2"
@@ -48,6 +58,12 @@ MATHJAX_VERSION = "3.2.2"
 # The other combined builds (SVG, MathML input, node) are left out: they are never loaded.
 MATHJAX_KEEP = ("tex-chtml.js", "input", "output", "ui", "a11y", "sre", "adaptors")
 MATHJAX_ENTRY = "mathjax/tex-chtml.js"  # relative to the site's _static/
+
+# What a notebook's outputs depend on besides its own code: the engine it imports (with its shipped
+# models and drill bank) and the committed results files it reads. A change to any file in these
+# folders re-runs every notebook at the next build (see execution_key), except a change to this file:
+# how the site is built does not change what a notebook prints.
+ENGINE = [REPO_ROOT / "minillm", REPO_ROOT / "kernels", REPO_ROOT / "results"]
 
 INTRO = """\
 This book teaches efficient inference of large language models by measuring it. Each chapter is a
@@ -80,10 +96,14 @@ def build_site(
     book_path: the `book.yml` to read (default: the repository's).
     out_dir:   where the source tree (`src/`), the site (`html/`) and the caches go; a relative path
                is taken from the book's folder, so the default is the repository's `_build/`.
-    execute:   run the written chapters and solutions in place before building (otherwise the
-               outputs committed in the notebooks are used as they are).
+    execute:   run copies of the written chapters and solutions, in `<out_dir>`, and show their fresh
+               outputs (otherwise the outputs committed in the notebooks are used as they are). The
+               notebooks in the book's folder are never written; runs are cached in
+               `<out_dir>/.cache/executed/` (see `executed_copy`).
     cache_dir: where downloads (MathJax) are kept between builds (default: `<out_dir>/.cache`).
     """
+    import nbformat
+
     book = load_book(book_path)
     out = Path(out_dir)
     if not out.is_absolute():
@@ -92,18 +112,18 @@ def build_site(
     cache = Path(cache_dir).resolve() if cache_dir is not None else out / ".cache"
 
     parts = notebook_parts(book)
-    if execute:
-        for path in [*parts["Chapters"], *parts["Solutions"]]:
-            execute_notebook(book.root / path)
-
     src = out / "src"
     if src.exists():
         shutil.rmtree(src)
     src.mkdir(parents=True)
-    for paths in parts.values():
+    for part, paths in parts.items():
         for path in paths:
+            if execute and part != "Exercises":
+                nb = executed_copy(book.root, path, out / ".cache" / "executed")
+            else:
+                nb = nbformat.read(book.root / path, as_version=4)
             (src / path).parent.mkdir(parents=True, exist_ok=True)
-            copy_for_reading(book.root / path, src / path)
+            write_for_reading(nb, src / path)
     (src / "index.md").write_text(intro_page(book), encoding="utf-8")
     (src / "drills.md").write_text(drill_bank_page(book), encoding="utf-8")
     shutil.copytree(fetch_mathjax(cache), src / "_mathjax" / "mathjax")
@@ -115,11 +135,11 @@ def build_site(
     return html
 
 
-def copy_for_reading(source: Path, dest: Path) -> None:
-    """Copy a notebook into the site without its test markers (`# NBVAL_...` lines), which mean nothing to a reader."""
+def write_for_reading(nb: Any, dest: Path) -> None:
+    """Write a notebook into the site without its test markers (`# NBVAL_...` lines), which mean nothing to a reader."""
     import nbformat
 
-    nb = nbformat.read(source, as_version=4)
+    nb = nbformat.from_dict(nb)  # a copy: the caller's notebook keeps its markers
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.source = "\n".join(ln for ln in cell.source.split("\n") if not ln.strip().startswith("# NBVAL_"))
@@ -147,22 +167,110 @@ def notebook_parts(book: Book) -> dict[str, list[str]]:
     return parts
 
 
-def execute_notebook(path: Path, timeout: int = 900) -> None:
-    """Run a notebook top to bottom in its own folder and save it with its new outputs."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900) -> Any:
+    """The notebook `root/path` with fresh outputs, run in memory: the file itself is only read.
 
-    print(f"executing {path}", flush=True)
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": path.parent}})
+    The kernel runs in the notebook's own folder (`root/path`'s parent), so the notebook sees exactly
+    what it sees when a reader runs it there. A notebook must therefore not write files beside itself;
+    the chapters write nothing, and find the repository's files from `minillm.__file__`.
+
+    Every run is kept in `cache/<path without .ipynb>/<key>.ipynb`, where key is `execution_key(nb)`.
+    When that file exists, the notebook is not run again: the current notebook (its markdown may have
+    changed) gets the cached run's outputs, cell by cell. A run is cached only when every cell
+    succeeded, so a failed or interrupted run leaves nothing behind.
+    """
+    import nbformat
+
+    nb = nbformat.read(root / path, as_version=4)
+    key = execution_key(nb)
+    runs = cache / Path(path).with_suffix("")
+    cached = runs / f"{key}.ipynb"
+    if cached.is_file():
+        print(f"{path}: code and engine unchanged since its last run, outputs from the cache", flush=True)
+        return with_outputs_of(nb, nbformat.read(cached, as_version=4))
+
+    print(f"executing {path} (a copy; the outputs go to the build folder)", flush=True)
     start = time.perf_counter()
+    run_notebook(nb, cwd=(root / path).parent, name=path, timeout=timeout)
+    print(f"  done in {time.perf_counter() - start:.1f} s", flush=True)
+    if runs.exists():
+        shutil.rmtree(runs)  # keep only the latest run of each notebook
+    runs.mkdir(parents=True)
+    partial = cached.with_suffix(".partial")
+    nbformat.write(nb, partial)
+    partial.replace(cached)  # last, so an interrupted write leaves no cache entry
+    return nb
+
+
+def execution_key(nb: Any) -> str:
+    """A hash of what a notebook's outputs depend on: its code cells, in order, and every file of the
+    engine (`ENGINE`: minillm/, kernels/, results/; not this file, nor Python's bytecode). Markdown is
+    left out, so editing prose re-runs nothing. So is the environment: after installing a new torch
+    or Python, delete `_build/.cache/executed/` to re-run everything.
+    """
+    digest = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            digest.update(cell.source.encode() + b"\0")
+    for folder in ENGINE:
+        for file in sorted(folder.rglob("*")):
+            if file.is_file() and "__pycache__" not in file.parts and file != Path(__file__).resolve():
+                digest.update(file.relative_to(folder.parent).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def with_outputs_of(nb: Any, run: Any) -> Any:
+    """`nb` with the outputs of `run`, an earlier run of a notebook with the same code cells."""
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    ran = [cell for cell in run.cells if cell.cell_type == "code"]
+    assert [c.source for c in code] == [c.source for c in ran], "with_outputs_of: the code cells differ"
+    for cell, done in zip(code, ran):
+        cell.outputs, cell.execution_count = done.outputs, done.execution_count
+    for key in ("language_info", "widgets"):  # what the run recorded in the notebook's metadata
+        if key in run.metadata:
+            nb.metadata[key] = run.metadata[key]
+    return nb
+
+
+def execute_sources(paths: Sequence[Path], timeout: int = 900) -> None:
+    """For authors: run each notebook in its own folder and save it, in place, with its new outputs.
+
+    A notebook that fails is left as it was on disk (with its old outputs), and the error names it.
+    """
+    import nbformat
+
+    for path in paths:
+        print(f"executing {path} in place", flush=True)
+        nb = nbformat.read(path, as_version=4)
+        start = time.perf_counter()
+        run_notebook(nb, cwd=path.parent, name=str(path), timeout=timeout)
+        nbformat.write(nb, path)
+        print(f"  done in {time.perf_counter() - start:.1f} s, saved", flush=True)
+
+
+def run_notebook(nb: Any, cwd: Path, name: str, timeout: int = 900) -> None:
+    """Run `nb` (in memory) top to bottom with its kernel started in `cwd`.
+
+    Raises SiteError naming the notebook and the cell that failed, with the cell's source and error.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    current = {"index": 0}
+
+    def on_cell_start(cell: Any, cell_index: int) -> None:
+        current["index"] = cell_index
+
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}},
+        on_cell_start=on_cell_start,
+    )
     try:
         client.execute()
-    except CellExecutionError as err:
-        raise SiteError(f"{path} failed to run; the failing cell and its error:\n{err}") from None
-    nbformat.write(nb, path)
-    print(f"  done in {time.perf_counter() - start:.1f} s", flush=True)
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+        where = f"cell {current['index'] + 1} of {len(nb.cells)} (counting markdown cells)"
+        error = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # the traceback's terminal colours
+        raise SiteError(f"{name} failed to run: {where}. The cell and its error:\n{error}") from None
 
 
 def intro_page(book: Book) -> str:
@@ -343,14 +451,30 @@ def _run(cmd: list[str], what: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m minillm.site [--no-execute] [--out DIR] [--book BOOK_YML]`: build the HTML book."""
+    """`python -m minillm.site [--no-execute | --execute-sources [NOTEBOOK ...]] [--out DIR] [--book BOOK_YML]`."""
     parser = argparse.ArgumentParser(prog="python -m minillm.site", description=__doc__.splitlines()[0])
-    parser.add_argument("--no-execute", action="store_true", help="use the outputs committed in the notebooks")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--no-execute", action="store_true", help="build from the outputs committed in the notebooks")
+    mode.add_argument(
+        "--execute-sources", nargs="*", metavar="NOTEBOOK", default=None,
+        help="for authors: re-run these notebooks (default: every written chapter and solution) in place "
+        "and save their outputs; builds no site",
+    )
     parser.add_argument("--out", default=None, help="build folder (default: _build at the repository root)")
     parser.add_argument("--book", default=None, help="the book.yml to build (default: the repository's)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve() if args.out else "_build"
     try:
+        if args.execute_sources is not None:
+            if args.execute_sources:
+                paths = [Path(p) for p in args.execute_sources]
+            else:
+                book = load_book(args.book)
+                parts = notebook_parts(book)
+                paths = [book.root / p for p in [*parts["Chapters"], *parts["Solutions"]]]
+            execute_sources(paths)
+            print(f"Saved the outputs of {len(paths)} notebook(s); commit them with the notebooks.")
+            return 0
         html = build_site(args.book, out_dir=out, execute=not args.no_execute)
     except (SiteError, BookError, DrillError) as err:
         print(f"minillm.site: error: {err}", file=sys.stderr)

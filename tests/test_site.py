@@ -3,15 +3,21 @@
 Two books are built once each (module-scoped fixtures) and served from 127.0.0.1:
 
 - a small fixture book written here (two written chapters, 00 and 01, with math, a matplotlib plot and
-  code, their exercises and solutions, and a planned chapter), executed by the build itself, so the
-  whole pipeline is proven even before the real book has a written chapter; its drill-bank page shows
-  the real bank's drills for chapters 00 and 01;
+  code, their exercises and solutions, and a planned chapter), executed by the build itself (copies,
+  in the build folder: the fixture's own notebooks must come out of the build byte for byte as they
+  went in), so the whole pipeline is proven even before the real book has a written chapter; its
+  drill-bank page shows the real bank's drills for chapters 00 and 01;
 - the real book from `book.yml`, built from the committed notebooks (execute=False).
 
 Headless Chromium (Debian's, /usr/bin/chromium, driven by Playwright) then checks that every chapter page
 loads with its title, every image decodes, math is typeset by the site's own MathJax, the theme's
 "next" link works, the drill answers sit in closed reveals, and no request fails or leaves 127.0.0.1.
 A full-page screenshot of each chapter is saved under `_build/screenshots/`.
+
+Tiny one-chapter books, without a browser, check the rest of the execution story: a second build
+re-runs nothing (a cell that appends to a file outside the book counts the runs), a changed code cell
+or engine file re-runs, a failing cell fails the build by name and caches nothing, and
+`--execute-sources`, the authors' command, does write outputs into the notebooks.
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class Site:
 
     def __init__(self, name: str, book_path: Path | None, html: Path, build_s: float) -> None:
         self.name, self.book, self.html, self.build_s = name, load_book(book_path), html, build_s
+        self.files_before: dict[str, tuple[bytes, int]] = {}  # the book folder before the build
         self.shot_prefix = "" if name == "book" else f"{name}-"
         handler = functools.partial(_QuietHandler, directory=str(html))
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -164,11 +171,22 @@ def _build(name: str, book_path: Path | None, out: Path, execute: bool) -> Site:
     return Site(name, book_path, html, build_s)
 
 
+def book_files(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of a book's folder outside its build folder: its bytes and modification time (ns)."""
+    return {
+        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] != "_build"
+    }
+
+
 @pytest.fixture(scope="module")
-def fixture_site(tmp_path_factory, browser) -> Iterator[Site]:
+def fixture_site(tmp_path_factory, build_tools) -> Iterator[Site]:
     root = tmp_path_factory.mktemp("fixture_book")
     book_path = write_fixture_book(root)
+    before = book_files(root)
     site = _build("fixture", book_path, root / "_build", execute=True)
+    site.files_before = before
     yield site
     site.close()
 
@@ -384,6 +402,132 @@ def test_pages_show_no_test_markers(real_site):
     """nbval's `# NBVAL_CHECK_OUTPUT` markers are for the test suite; the site leaves them out."""
     shown = [p.name for p in real_site.html.rglob("*.html") if "NBVAL_" in p.read_text(encoding="utf-8")]
     assert not shown, f"pages showing nbval markers: {shown}"
+
+
+def test_build_executes_copies_and_leaves_the_book_untouched(fixture_site):
+    """The build showed fresh outputs, made in the build folder: not a byte or mtime of the book changed."""
+    import nbformat
+
+    root = fixture_site.book.root
+    assert book_files(root) == fixture_site.files_before, "the build wrote into the book's folder"
+    source = nbformat.read(root / "chapters" / "00_squares.ipynb", as_version=4)
+    assert not any(cell.get("outputs") for cell in source.cells), "the fixture's source notebook has outputs"
+    page = (fixture_site.html / "chapters" / "00_squares.html").read_text(encoding="utf-8")
+    assert "energy 30.0" in page, "the chapter's page lacks the executed output"
+    assert "42" in (fixture_site.html / "solutions" / "00_squares.html").read_text(encoding="utf-8")
+    runs = sorted(p.parent.relative_to(root / "_build" / ".cache" / "executed").as_posix()
+                  for p in (root / "_build" / ".cache" / "executed").rglob("*.ipynb"))
+    assert runs == ["chapters/00_squares", "chapters/01_cubes", "solutions/00_squares", "solutions/01_cubes"]
+
+
+def write_counting_book(root: Path, counter: Path, prose: str = "First words.", solution_code: str = "") -> Path:
+    """A one-chapter book whose chapter and solution append a line to `counter` each time they run."""
+    import nbformat
+
+    def count(who: str) -> str:
+        return f"with open({str(counter)!r}, 'a') as f:\n    f.write({who!r} + '\\n')\nprint('ran the {who}')"
+
+    for folder, cells in (("chapters", [("md", f"# Counting\n\n{prose}"), ("code", count("chapter"))]),
+                          ("solutions", [("md", "# Counting: solutions"), ("code", count("solution") + solution_code)]),
+                          ("exercises", [("md", "# Counting: exercises"), ("code", "answer = None")])):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        nbformat.write(_notebook(cells), root / folder / "00_counting.ipynb")
+    book = {"title": "Counting", "author": "The test suite", "chapters": [{
+        "id": "00", "title": "Counting", "status": "written", "notebook": "chapters/00_counting.ipynb",
+        "solution": "solutions/00_counting.ipynb", "exercise": "exercises/00_counting.ipynb"}]}
+    (root / "book.yml").write_text(yaml.safe_dump(book), encoding="utf-8")
+    return root / "book.yml"
+
+
+def runs_of(counter: Path) -> list[str]:
+    return counter.read_text().split() if counter.exists() else []
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch) -> Path:
+    """A stand-in for the engine's files (`minillm.site.ENGINE`), which only the test changes."""
+    from minillm import site
+
+    folder = tmp_path / "engine"
+    (folder / "__pycache__").mkdir(parents=True)
+    (folder / "model.py").write_text("WIDTH = 1\n")
+    monkeypatch.setattr(site, "ENGINE", [folder])
+    return folder
+
+
+def test_second_build_reruns_only_what_changed(tmp_path, build_tools, engine):
+    """Between two builds the chapter's prose changes (its run is reused) and the solution's code
+    changes (it runs again); the pages show the new prose and the new output."""
+    counter = tmp_path / "runs.txt"  # outside the book: the cache never sees it
+    book = write_counting_book(tmp_path / "book", counter)
+    html = tmp_path / "book" / "_build" / "html"
+
+    build_site(book, execute=True, cache_dir=CACHE)
+    assert runs_of(counter) == ["chapter", "solution"]
+    assert "ran the chapter" in (html / "chapters" / "00_counting.html").read_text(encoding="utf-8")
+
+    write_counting_book(tmp_path / "book", counter, prose="Second edition.", solution_code="\nprint('a new line')")
+    build_site(book, execute=True, cache_dir=CACHE)
+    assert runs_of(counter) == ["chapter", "solution", "solution"], "only the solution's code changed"
+    chapter = (html / "chapters" / "00_counting.html").read_text(encoding="utf-8")
+    assert "Second edition." in chapter, "the cached chapter does not show its new prose"
+    assert "ran the chapter" in chapter, "the cached chapter lost its outputs"
+    assert "a new line" in (html / "solutions" / "00_counting.html").read_text(encoding="utf-8")
+
+
+def test_engine_change_reruns(tmp_path, engine):
+    """A notebook re-runs when a file of the engine changes, not when Python writes bytecode beside it."""
+    from minillm import site
+
+    counter = tmp_path / "runs.txt"
+    write_counting_book(tmp_path / "book", counter)
+    cache = tmp_path / "cache"
+
+    site.executed_copy(tmp_path / "book", "chapters/00_counting.ipynb", cache)
+    (engine / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"bytecode")
+    site.executed_copy(tmp_path / "book", "chapters/00_counting.ipynb", cache)
+    assert runs_of(counter) == ["chapter"]
+    (engine / "model.py").write_text("WIDTH = 2\n")
+    nb = site.executed_copy(tmp_path / "book", "chapters/00_counting.ipynb", cache)
+    assert runs_of(counter) == ["chapter", "chapter"]
+    assert "ran the chapter" in nb.cells[1].outputs[0]["text"]
+    assert len(list(cache.rglob("*.ipynb"))) == 1, "the cache keeps only the latest run of a notebook"
+
+
+def test_failing_notebook_fails_the_build_by_name_and_caches_nothing(tmp_path):
+    import nbformat
+
+    book = write_counting_book(tmp_path, tmp_path / "runs.txt")
+    nbformat.write(_notebook([("md", "# Counting"), ("code", "x = 1"), ("code", "x / 0"), ("code", "print('never')")]),
+                   tmp_path / "chapters" / "00_counting.ipynb")
+    before = book_files(tmp_path)
+    with pytest.raises(SiteError, match=r"chapters/00_counting.ipynb failed to run: cell 3 of 4") as err:
+        build_site(book, out_dir=tmp_path / "_build", execute=True, cache_dir=CACHE)
+    assert "x / 0" in str(err.value) and "ZeroDivisionError" in str(err.value)
+    assert "\x1b[" not in str(err.value), "the message keeps the traceback's terminal colour codes"
+    cached = [p for p in (tmp_path / "_build" / ".cache").rglob("*") if p.is_file()]
+    assert not cached, f"a failed run left files in the cache: {cached}"
+    assert book_files(tmp_path) == before
+
+
+def test_execute_sources_saves_outputs_in_place(tmp_path, capsys):
+    """The authors' command: `python -m minillm.site --execute-sources` runs the chapters and solutions
+    in place and saves their outputs; exercises are left alone, and no site is built."""
+    import nbformat
+
+    from minillm.site import main
+
+    counter = tmp_path / "runs.txt"
+    book = write_counting_book(tmp_path, counter)
+    exercise = (tmp_path / "exercises" / "00_counting.ipynb").read_bytes()
+    assert main(["--book", str(book), "--execute-sources"]) == 0
+    assert runs_of(counter) == ["chapter", "solution"]
+    for folder, who in (("chapters", "chapter"), ("solutions", "solution")):
+        nb = nbformat.read(tmp_path / folder / "00_counting.ipynb", as_version=4)
+        assert nb.cells[1].outputs[0]["text"] == f"ran the {who}\n", f"{folder}: the outputs were not saved"
+    assert (tmp_path / "exercises" / "00_counting.ipynb").read_bytes() == exercise
+    assert not (tmp_path / "_build").exists()
+    assert "Saved the outputs of 2 notebook(s)" in capsys.readouterr().out
 
 
 def test_mathjax_is_cached(tmp_path, fixture_site, monkeypatch):
