@@ -16,8 +16,10 @@ A ragged batch (16 sequences of random lengths up to 32k in a 32k cache) shows w
 filled part of each sequence saves. A small sweep of tile sizes and split counts comes first; the
 kernel's defaults are set from it.
 
-Every configuration is checked against the reference before it is timed. Timing is
-`triton.testing.do_bench` (median, L2 cleared between runs).
+Every configuration is checked against the reference before it is timed. Timing replays a CUDA
+graph of the calls (so the time is the GPU's, not Python's launch overhead, which an engine also
+removes with graphs) over enough distinct input sets to exceed the L2 cache several times (so the
+bytes come from HBM), and takes the median of 20 replays.
 
     python benchmarks/decode_attention.py            # writes results/decode_attention_cuda.json
 """
@@ -25,6 +27,7 @@ Every configuration is checked against the reference before it is timed. Timing 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -34,12 +37,38 @@ from common import write_results
 MAX_ERROR = 2e-2  # bf16 outputs of magnitude < 1: a few bf16 ulps
 
 
-def copy_bandwidth(do_bench) -> float:  # noqa: ANN001
+ROTATE_BYTES = 512 * 2**20  # input sets per graph: at least this many bytes in all (the H100's L2 is 50 MB)
+
+
+def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth, bytes read + written per second, on 2 GiB."""
     x = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    return 2 * x.numel() * x.element_size() / ms * 1e3
+    return 2 * x.numel() * x.element_size() / (graph_time_ms([lambda: y.copy_(x)]) / 1e3)
+
+
+def graph_time_ms(calls: list, reps: int = 20) -> float:
+    """Median GPU milliseconds per call: the calls captured in one CUDA graph, replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
 
 
 def inputs(B: int, H: int, H_kv: int, L: int, D: int, seed: int = 0):  # noqa: N803, ANN201
@@ -48,6 +77,12 @@ def inputs(B: int, H: int, H_kv: int, L: int, D: int, seed: int = 0):  # noqa: N
     k = torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
     return q, k, v
+
+
+def input_sets(B: int, H: int, H_kv: int, L: int, D: int) -> list:  # noqa: N803
+    """Enough independent (q, k, v) sets that one pass over them does not fit in L2."""
+    n = max(1, min(64, -(-ROTATE_BYTES // must_read(B, H, H_kv, L, D))))
+    return [inputs(B, H, H_kv, L, D, seed=i) for i in range(n)]
 
 
 def must_read(B: int, H: int, H_kv: int, L: int, D: int) -> int:  # noqa: N803
@@ -62,82 +97,83 @@ def check(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
     return err
 
 
-def sweep(args: argparse.Namespace, decode_attention, do_bench) -> list[dict]:  # noqa: ANN001
+def sweep(args: argparse.Namespace, decode_attention) -> list[dict]:  # noqa: ANN001
     """Tile size x warps x stages x splits, at three shapes; the defaults are chosen from this."""
     kernel_module = sys.modules["minillm.kernels.decode_attention"]  # its launch settings are patched below
     rows = []
     for B, L in [(1, 32768), (16, 4096), (64, 1024)]:
-        q, k, v = inputs(B, args.heads, args.kv_heads, L, args.head_dim)
+        sets = input_sets(B, args.heads, args.kv_heads, L, args.head_dim)
+        q, k, v = sets[0]
         expected = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
         nbytes = must_read(B, args.heads, args.kv_heads, L, args.head_dim)
         for block_n in (32, 64, 128):
             for warps, stages in ((4, 2), (4, 3), (8, 2)):
-                for splits in (None, 4, 16, 64):
+                for splits in (None, 8, 32, 128):
                     kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = warps, stages
-                    fn = lambda: decode_attention(q, k, v, num_splits=splits, block_n=block_n)  # noqa: B023, E731
+                    row = {"batch": B, "seq_len": L, "block_n": block_n, "warps": warps, "stages": stages,
+                           "splits": splits or "auto"}
                     try:
-                        check(fn(), expected, f"sweep B={B} L={L} block_n={block_n}")
+                        check(decode_attention(q, k, v, num_splits=splits, block_n=block_n), expected, "sweep")
+                        ms = graph_time_ms([lambda s=s: decode_attention(*s, num_splits=splits, block_n=block_n)  # noqa: B023
+                                            for s in sets])
                     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: recorded, not fatal
-                        rows.append({"batch": B, "seq_len": L, "block_n": block_n, "warps": warps,
-                                     "stages": stages, "splits": splits, "error": str(exc)[:200]})
+                        rows.append(row | {"error": str(exc)[:200]})
                         continue
-                    ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                    rows.append({"batch": B, "seq_len": L, "block_n": block_n, "warps": warps, "stages": stages,
-                                 "splits": splits or "auto", "ms": ms, "gbs": nbytes / ms / 1e6})
-        q = k = v = None  # free the GPU memory before the next shape
+                    rows.append(row | {"ms": ms, "gbs": nbytes / ms / 1e6})
+        sets = q = k = v = None  # free the GPU memory before the next shape
         torch.cuda.empty_cache()
     kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = args.default_launch
     return rows
 
 
-def bench(args: argparse.Namespace, decode_attention, decode_attention_reference, do_bench,  # noqa: ANN001
-          copy_gbs: float) -> list[dict]:
+def bench(args: argparse.Namespace, decode_attention, decode_attention_reference, copy_gbs: float) -> list[dict]:  # noqa: ANN001
     rows = []
     H, H_kv, D = args.heads, args.kv_heads, args.head_dim
     for L in args.seqlens:
         for B in args.batches:
-            q, k, v = inputs(B, H, H_kv, L, D, seed=B + L)
+            sets = input_sets(B, H, H_kv, L, D)
+            q, k, v = sets[0]
             nbytes = must_read(B, H, H_kv, L, D)
             expected = decode_attention_reference(q[:1], k[:1], v[:1])  # one sequence in fp32 (memory)
-            row = {"batch": B, "seq_len": L, "bytes": nbytes,
+            row = {"batch": B, "seq_len": L, "bytes": nbytes, "input_sets": len(sets),
                    "max_abs_error": check(decode_attention(q, k, v)[:1], expected, f"B={B} L={L}")}
-            methods = {
-                "triton": lambda: decode_attention(q, k, v),  # noqa: B023
-                "sdpa_gqa": lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),  # noqa: B023
-            }
-            for name, fn in methods.items():
-                ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / ms / 1e6
-            row["sdpa_expand_ms"] = row["sdpa_expand_gbs"] = None
+            check(F.scaled_dot_product_attention(q[:1, :, None], k[:1], v[:1], enable_gqa=True)[:, :, 0], expected,
+                  "sdpa enable_gqa")
+            row["triton_ms"] = graph_time_ms([lambda s=s: decode_attention(*s) for s in sets])
+            row["sdpa_gqa_ms"] = graph_time_ms([lambda s=s: F.scaled_dot_product_attention(
+                s[0][:, :, None], s[1], s[2], enable_gqa=True) for s in sets])
+            row["sdpa_expand_ms"] = None
             try:
-                ke, ve = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)
-                check(F.scaled_dot_product_attention(q[:1, :, None], ke[:1], ve[:1])[:, :, 0], expected, "sdpa")
-                ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], ke, ve),  # noqa: B023
-                              warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                row["sdpa_expand_ms"], row["sdpa_expand_gbs"] = ms, nbytes / ms / 1e6
+                expanded = [(s[0][:, :, None], s[1].repeat_interleave(H // H_kv, dim=1),
+                             s[2].repeat_interleave(H // H_kv, dim=1)) for s in sets]
+                check(F.scaled_dot_product_attention(*(t[:1] for t in expanded[0]))[:, :, 0], expected, "sdpa")
+                row["sdpa_expand_ms"] = graph_time_ms([lambda e=e: F.scaled_dot_product_attention(*e)
+                                                       for e in expanded])
             except torch.OutOfMemoryError:
                 row["sdpa_expand_note"] = "out of GPU memory"
+            expanded = None
+            for name in ("triton", "sdpa_gqa", "sdpa_expand"):
+                ms = row[f"{name}_ms"]
+                row[f"{name}_gbs"] = nbytes / ms / 1e6 if ms else None
             row["triton_fraction_of_copy"] = row["triton_gbs"] * 1e9 / copy_gbs
             rows.append(row)
             print(f"  B={B:<3} L={L:<6} triton {row['triton_gbs']:6.0f} GB/s ({row['triton_fraction_of_copy']:.0%} "
                   f"of copy)  sdpa_gqa {row['sdpa_gqa_gbs']:6.0f}", flush=True)
-            q = k = v = ke = ve = None  # free the GPU memory before the next shape
+            sets = q = k = v = None  # free the GPU memory before the next shape
             torch.cuda.empty_cache()
     return rows
 
 
-def ragged(args: argparse.Namespace, decode_attention, do_bench) -> dict:  # noqa: ANN001
+def ragged(args: argparse.Namespace, decode_attention) -> dict:  # noqa: ANN001
     """16 sequences of random lengths in a 32k cache: the kernel reads only what each one holds."""
     B, L, H, H_kv, D = 16, 32768, args.heads, args.kv_heads, args.head_dim
     q, k, v = inputs(B, H, H_kv, L, D, seed=7)
     lengths = torch.randint(1, L + 1, (B,), generator=torch.Generator().manual_seed(7)).cuda()
     needed = 2 * (2 * int(lengths.sum()) * H_kv * D + 2 * B * H * D)
-    mask = torch.arange(L, device="cuda")[None, :] < lengths[:, None]  # [B, L]
-    ms_ragged = do_bench(lambda: decode_attention(q, k, v, lengths), warmup=args.warmup_ms, rep=args.rep_ms,
-                         return_mode="median")
-    ms_full = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None],
-                                                              enable_gqa=True),
-                       warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    mask = (torch.arange(L, device="cuda")[None, :] < lengths[:, None])[:, None, None]  # [B, 1, 1, L]
+    ms_ragged = graph_time_ms([lambda: decode_attention(q, k, v, lengths)])
+    ms_full = graph_time_ms([lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask,
+                                                                     enable_gqa=True)])
     return {"batch": B, "cache_len": L, "mean_len": float(lengths.float().mean()), "bytes_needed": needed,
             "triton_ms": ms_ragged, "triton_gbs_of_needed": needed / ms_ragged / 1e6,
             "sdpa_masked_ms": ms_full, "sdpa_masked_gbs_of_needed": needed / ms_full / 1e6}
@@ -151,30 +187,28 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-settings sweep")
-    parser.add_argument("--warmup-ms", type=int, default=25)
-    parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
                  "kernel through Triton's interpreter.")
     from minillm.kernels import decode_attention, decode_attention_reference
     from minillm.kernels.decode_attention import GPU_STAGES, GPU_WARPS
-    from triton.testing import do_bench
 
     args.default_launch = (GPU_WARPS, GPU_STAGES)
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    do_bench(lambda: warm @ warm, warmup=250, rep=1000)  # raise the clocks before the first timing
+    graph_time_ms([lambda: warm @ warm] * 10)  # raise the clocks before the first timing
     warm = None
-    copy_gbs = copy_bandwidth(do_bench)
+    copy_gbs = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"{name}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s; decode attention bf16, {args.heads} query / "
           f"{args.kv_heads} KV heads of {args.head_dim}", flush=True)
-    sweep_rows = [] if args.no_sweep else sweep(args, decode_attention, do_bench)
-    rows = bench(args, decode_attention, decode_attention_reference, do_bench, copy_gbs)
-    ragged_row = ragged(args, decode_attention, do_bench)
+    sweep_rows = [] if args.no_sweep else sweep(args, decode_attention)
+    rows = bench(args, decode_attention, decode_attention_reference, copy_gbs)
+    ragged_row = ragged(args, decode_attention)
     path = write_results("decode_attention_cuda", {
         "benchmark": "decode attention, one query per sequence vs a bf16 KV cache: Triton kernel vs SDPA",
         "settings": {k: v for k, v in vars(args).items() if k != "default_launch"},
+        "timing": "CUDA graph of the calls over enough input sets to exceed L2 (512 MiB), median of 20 replays",
         "launch": {"warps_stages": list(args.default_launch)},
         "bytes_counted": "2 bytes x (2 x B x H_kv x L x D for K and V + 2 x B x H x D for q and the output)",
         "copy_bandwidth_gbs": copy_gbs / 1e9,

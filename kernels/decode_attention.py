@@ -74,18 +74,19 @@ def _decode_split_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
-    GROUP, CHUNK, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP, CHUNK, S, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    FINAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (b, kv_h, s): the G query heads of KV head kv_h of sequence b, over keys of chunk s.
 
-    Writes, per query head, the chunk's normalised output o_s [D] and its log-sum-exp (base 2).
+    Writes, per query head, the chunk's normalised output o_s [D] and its log-sum-exp (base 2);
+    with FINAL (one chunk per sequence) o_s is the answer, written straight to the output (O_part).
     """
     b = tl.program_id(0).to(tl.int64)
     kv_h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    length = tl.load(Lengths + b)
+    length = tl.load(Lengths + b) if HAS_LENGTHS else S
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, length)
 
@@ -124,8 +125,9 @@ def _decode_split_kernel(
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     o_ptrs = O_part + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out, mask=real[:, None])
-    tl.store(LSE_part + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=real)
+    tl.store(o_ptrs, out.to(O_part.dtype.element_ty), mask=real[:, None])
+    if not FINAL:
+        tl.store(LSE_part + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=real)
 
 
 @triton.jit
@@ -159,9 +161,9 @@ def _interpreted() -> bool:
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
 INTERPRETER_BLOCK_N = 32
-TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs): enough to hide memory latency
+TARGET_PROGRAMS = 528  # about four programs per SM of an H100 (132 SMs): enough loads in flight
 MIN_CHUNK_TILES = 2  # a chunk holds at least this many tiles of keys (fewer, and the combine costs more)
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int) -> int:
@@ -216,9 +218,8 @@ def decode_attention(
     out = torch.empty_like(q)
     if B == 0 or H == 0:
         return out
-    if lengths is None:
-        lengths = torch.full((B,), S, dtype=torch.int32, device=q.device)
-    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    if lengths is not None:
+        lengths = lengths.to(device=q.device, dtype=torch.int32)
     scale = D**-0.5 if scale is None else float(scale)
     group = H // H_kv
     BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else GPU_BLOCK_N)
@@ -231,15 +232,21 @@ def decode_attention(
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     launch = {} if _interpreted() else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}
 
-    o_part = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    final = splits == 1  # one chunk per sequence: no partial results, no combine kernel
+    if final:
+        o_part, lse_part = out[:, :, None], out[:, :, :1]  # [B, H, 1, D]; lse_part is never written
+    else:
+        o_part = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, H_kv, splits)](
-        q, k, v, lengths, o_part, lse_part,
+        q, k, v, lengths if lengths is not None else q, o_part, lse_part,
         *q.stride(), *k.stride(), *v.stride(), *o_part.stride(), *lse_part.stride(),
-        group, chunk, scale * math.log2(math.e),
+        group, chunk, S, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        UPCAST=upcast, DOT_PRECISION=precision, **launch,
+        HAS_LENGTHS=lengths is not None, FINAL=final, UPCAST=upcast, DOT_PRECISION=precision, **launch,
     )
+    if final:
+        return out
     _combine_kernel[(B, H)](
         o_part, lse_part, out,
         *o_part.stride(), *lse_part.stride(), *out.stride(),
