@@ -19,7 +19,7 @@ kernel's defaults are set from it.
 Every configuration is checked against the reference before it is timed. Timing replays a CUDA
 graph of the calls (so the time is the GPU's, not Python's launch overhead, which an engine also
 removes with graphs) over enough distinct input sets to exceed the L2 cache several times (so the
-bytes come from HBM), and takes the median of 20 replays.
+bytes come from HBM), and takes the median of 40 replays, the methods' graphs replayed in turn.
 
     python benchmarks/decode_attention.py            # writes results/decode_attention_cuda.json
 """
@@ -40,19 +40,28 @@ MAX_ERROR = 2e-2  # bf16 outputs of magnitude < 1: a few bf16 ulps
 ROTATE_BYTES = 512 * 2**20  # input sets per graph: at least this many bytes in all (the H100's L2 is 50 MB)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second, on 2 GiB."""
-    x = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+def copy_bandwidth() -> tuple[float, float]:
+    """Device-to-device copy bandwidth, bytes read + written per second, copying 1 GiB.
+
+    Returns (timed by triton's do_bench: the copy runs as a kernel on the SMs, the ceiling the decode
+    kernel is compared with; timed as a CUDA graph, where the copy becomes a memcpy node, which ran
+    about 20% slower on an H100: recorded, not used).
+    """
+    from triton.testing import do_bench
+
+    x = torch.empty(2**29, dtype=torch.int16, device="cuda").random_()
     y = torch.empty_like(x)
-    return 2 * x.numel() * x.element_size() / (graph_time_ms([lambda: y.copy_(x)]) / 1e3)
+    nbytes = 2 * x.numel() * x.element_size()
+    kernel_ms = do_bench(lambda: y.copy_(x), warmup=100, rep=500, return_mode="median")
+    return nbytes / kernel_ms * 1e3, nbytes / graph_time_ms([lambda: y.copy_(x)] * 10) * 1e3
 
 
-def graph_time_ms(calls: list, reps: int = 20) -> float:
-    """Median GPU milliseconds per call: the calls captured in one CUDA graph, replayed `reps` times."""
+def capture(calls: list) -> tuple[torch.cuda.CUDAGraph, int]:
+    """The calls captured in one CUDA graph (after running them once outside it to compile and warm up)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for call in calls:  # compile and warm up outside the capture
+        for call in calls:
             call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -60,15 +69,27 @@ def graph_time_ms(calls: list, reps: int = 20) -> float:
         for call in calls:
             call()
     graph.replay()
-    times = []
+    return graph, len(calls)
+
+
+def time_graphs(graphs: dict, reps: int = 40) -> dict[str, float]:
+    """Median GPU milliseconds per call of each captured graph, replayed in turn (A B C A B C ...), so that
+    a drift of the clocks during the run falls on every method alike."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
+        for name, (graph, n_calls) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / n_calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def graph_time_ms(calls: list, reps: int = 40) -> float:
+    """Median GPU milliseconds per call: the calls captured in one CUDA graph, replayed `reps` times."""
+    return time_graphs({"x": capture(calls)}, reps)["x"]
 
 
 def inputs(B: int, H: int, H_kv: int, L: int, D: int, seed: int = 0):  # noqa: N803, ANN201
@@ -101,25 +122,30 @@ def sweep(args: argparse.Namespace, decode_attention) -> list[dict]:  # noqa: AN
     """Tile size x warps x stages x splits, at three shapes; the defaults are chosen from this."""
     kernel_module = sys.modules["minillm.kernels.decode_attention"]  # its launch settings are patched below
     rows = []
-    for B, L in [(1, 32768), (16, 4096), (64, 1024)]:
+    for B, L in [(1, 32768), (1, 4096), (4, 16384), (16, 4096), (64, 1024)]:
         sets = input_sets(B, args.heads, args.kv_heads, L, args.head_dim)
         q, k, v = sets[0]
         expected = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
         nbytes = must_read(B, args.heads, args.kv_heads, L, args.head_dim)
+        graphs, configs = {}, {}
         for block_n in (32, 64, 128):
             for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 for splits in (None, 8, 32, 128):
                     kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = warps, stages
-                    row = {"batch": B, "seq_len": L, "block_n": block_n, "warps": warps, "stages": stages,
-                           "splits": splits or "auto"}
+                    name = f"{block_n}/{warps}/{stages}/{splits or 'auto'}"
+                    configs[name] = {"batch": B, "seq_len": L, "block_n": block_n, "warps": warps, "stages": stages,
+                                     "splits": splits or "auto"}
                     try:
                         check(decode_attention(q, k, v, num_splits=splits, block_n=block_n), expected, "sweep")
-                        ms = graph_time_ms([lambda s=s: decode_attention(*s, num_splits=splits, block_n=block_n)  # noqa: B023
-                                            for s in sets])
+                        graphs[name] = capture([lambda s=s: decode_attention(*s, num_splits=splits,  # noqa: B023
+                                                                             block_n=block_n)  # noqa: B023
+                                                for s in sets])
                     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: recorded, not fatal
-                        rows.append(row | {"error": str(exc)[:200]})
-                        continue
-                    rows.append(row | {"ms": ms, "gbs": nbytes / ms / 1e6})
+                        configs[name]["error"] = str(exc)[:200]
+        for name, ms in time_graphs(graphs, reps=20).items():
+            configs[name].update({"ms": ms, "gbs": nbytes / ms / 1e6})
+        rows += configs.values()
+        graphs = None
         sets = q = k = v = None  # free the GPU memory before the next shape
         torch.cuda.empty_cache()
     kernel_module.GPU_WARPS, kernel_module.GPU_STAGES = args.default_launch
@@ -139,9 +165,13 @@ def bench(args: argparse.Namespace, decode_attention, decode_attention_reference
                    "max_abs_error": check(decode_attention(q, k, v)[:1], expected, f"B={B} L={L}")}
             check(F.scaled_dot_product_attention(q[:1, :, None], k[:1], v[:1], enable_gqa=True)[:, :, 0], expected,
                   "sdpa enable_gqa")
-            row["triton_ms"] = graph_time_ms([lambda s=s: decode_attention(*s) for s in sets])
-            row["sdpa_gqa_ms"] = graph_time_ms([lambda s=s: F.scaled_dot_product_attention(
-                s[0][:, :, None], s[1], s[2], enable_gqa=True) for s in sets])
+            graphs = {
+                "triton": capture([lambda s=s: decode_attention(*s) for s in sets]),
+                "sdpa_gqa": capture([lambda s=s: F.scaled_dot_product_attention(
+                    s[0][:, :, None], s[1], s[2], enable_gqa=True) for s in sets]),
+            }
+            row.update({f"{name}_ms": ms for name, ms in time_graphs(graphs).items()})
+            graphs = None
             row["sdpa_expand_ms"] = None
             try:
                 expanded = [(s[0][:, :, None], s[1].repeat_interleave(H // H_kv, dim=1),
@@ -196,9 +226,9 @@ def main() -> None:
 
     args.default_launch = (GPU_WARPS, GPU_STAGES)
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    graph_time_ms([lambda: warm @ warm] * 10)  # raise the clocks before the first timing
+    graph_time_ms([lambda: warm @ warm] * 20, reps=50)  # about a second of work: raise the clocks first
     warm = None
-    copy_gbs = copy_bandwidth()
+    copy_gbs, copy_graph_gbs = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"{name}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s; decode attention bf16, {args.heads} query / "
           f"{args.kv_heads} KV heads of {args.head_dim}", flush=True)
@@ -208,10 +238,12 @@ def main() -> None:
     path = write_results("decode_attention_cuda", {
         "benchmark": "decode attention, one query per sequence vs a bf16 KV cache: Triton kernel vs SDPA",
         "settings": {k: v for k, v in vars(args).items() if k != "default_launch"},
-        "timing": "CUDA graph of the calls over enough input sets to exceed L2 (512 MiB), median of 20 replays",
+        "timing": "CUDA graph of the calls over enough input sets to exceed L2 (512 MiB); median of 40 replays, "
+                  "the methods replayed in turn",
         "launch": {"warps_stages": list(args.default_launch)},
         "bytes_counted": "2 bytes x (2 x B x H_kv x L x D for K and V + 2 x B x H x D for q and the output)",
         "copy_bandwidth_gbs": copy_gbs / 1e9,
+        "copy_bandwidth_as_graph_memcpy_gbs": copy_graph_gbs / 1e9,
         "sweep": sweep_rows,
         "decode": rows,
         "ragged": ragged_row,
