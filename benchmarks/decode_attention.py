@@ -209,6 +209,28 @@ def ragged(args: argparse.Namespace, decode_attention) -> dict:  # noqa: ANN001
             "sdpa_masked_ms": ms_full, "sdpa_masked_gbs_of_needed": needed / ms_full / 1e6}
 
 
+def by_kv_heads(args: argparse.Namespace, decode_attention) -> list[dict]:  # noqa: ANN001
+    """The same 32 query heads at B=16, L=8k with 32 (MHA), 8, 4 and 1 (MQA) KV heads: time follows bytes."""
+    rows = []
+    B, L, H, D = 16, 8192, args.heads, args.head_dim
+    for H_kv in (32, 8, 4, 1):
+        sets = input_sets(B, H, H_kv, L, D)
+        q, k, v = sets[0]
+        check(decode_attention(q, k, v), F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0],
+              f"H_kv={H_kv}")
+        graphs = {"triton": capture([lambda s=s: decode_attention(*s) for s in sets]),
+                  "sdpa_gqa": capture([lambda s=s: F.scaled_dot_product_attention(s[0][:, :, None], s[1], s[2],
+                                                                                  enable_gqa=True) for s in sets])}
+        times = time_graphs(graphs)
+        nbytes = must_read(B, H, H_kv, L, D)
+        rows.append({"batch": B, "seq_len": L, "heads": H, "kv_heads": H_kv, "bytes": nbytes,
+                     "triton_ms": times["triton"], "sdpa_gqa_ms": times["sdpa_gqa"],
+                     "triton_gbs": nbytes / times["triton"] / 1e6})
+        sets = q = k = v = graphs = None  # free the GPU memory before the next shape
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
@@ -235,6 +257,7 @@ def main() -> None:
     sweep_rows = [] if args.no_sweep else sweep(args, decode_attention)
     rows = bench(args, decode_attention, decode_attention_reference, copy_gbs)
     ragged_row = ragged(args, decode_attention)
+    kv_rows = by_kv_heads(args, decode_attention)
     path = write_results("decode_attention_cuda", {
         "benchmark": "decode attention, one query per sequence vs a bf16 KV cache: Triton kernel vs SDPA",
         "settings": {k: v for k, v in vars(args).items() if k != "default_launch"},
@@ -247,6 +270,7 @@ def main() -> None:
         "sweep": sweep_rows,
         "decode": rows,
         "ragged": ragged_row,
+        "by_kv_heads": kv_rows,
     })
     if sweep_rows:
         print("\nsweep (GB/s): B, L, block_n, warps, stages, splits")
@@ -268,6 +292,8 @@ def main() -> None:
     g = ragged_row
     print(f"ragged B=16 in a 32k cache (mean length {g['mean_len']:.0f}): triton {g['triton_ms'] * 1e3:.0f} us, "
           f"SDPA with a mask {g['sdpa_masked_ms'] * 1e3:.0f} us")
+    print("by KV heads, B=16, L=8k, 32 query heads: " + ", ".join(
+        f"{r['kv_heads']} -> {r['triton_ms'] * 1e3:.0f} us (sdpa {r['sdpa_gqa_ms'] * 1e3:.0f})" for r in kv_rows))
     print(f"written to {path}")
 
 
