@@ -24,6 +24,7 @@ PUBLISHED = {
     "mistral-7b": 7.24e9,
     "qwen2.5-7b": 7.62e9,
     "opt-13b": 12.9e9,
+    "starcoder-15b": 15.5e9,  # bigcode/starcoder model card: 15.5B
     "gpt-3-175b": 175e9,
 }
 
@@ -312,3 +313,20 @@ def test_bad_input_raises_a_value_error_that_says_what_to_do(call, message):
 def test_nan_is_rejected():
     with pytest.raises(ValueError):
         metrics.cost_per_million_tokens(math.nan, 10)
+
+
+def test_mla_cache_is_one_latent_and_one_rope_key_per_layer():
+    """DeepSeek-V2 (arXiv:2405.04434, Table 1): (d_c + d_h^R) x layers elements per token, d_c = 4 d_h,
+    d_h^R = d_h / 2, i.e. 4.5 d_h x layers, against 2 n_h d_h x layers for MHA."""
+    v2 = metrics.MLA_PRESETS["deepseek-v2"]
+    per_token = metrics.mla_cache_bytes_per_token("deepseek-v2", "bf16")
+    assert per_token == 60 * (512 + 64) * 2 == 4.5 * v2.head_dim * v2.n_layers * 2
+    mha = 2 * v2.n_layers * v2.n_heads * v2.head_dim * 2
+    assert round(mha / per_token, 1) == 56.9
+    assert metrics.mla_cache_bytes_per_token(v2, 1) == per_token / 2
+    with pytest.raises(ValueError, match="unknown MLA preset"):
+        metrics.mla_cache_bytes_per_token("deepseek-v9")
+
+
+def test_mqa_preset_has_one_kv_head():
+    assert metrics.kv_cache_bytes_per_token("starcoder-15b") == 2 * 40 * 1 * 128 * 2
