@@ -14,10 +14,13 @@ to overfit before the schedule ends) and saves them in bf16, in Hugging Face's L
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -170,17 +173,38 @@ def sample_batch(ids: torch.Tensor, settings: TrainSettings, generator: torch.Ge
     return torch.stack([ids[s : s + settings.seq_len + 1] for s in starts.tolist()])
 
 
+@contextlib.contextmanager
+def pytorch_attention() -> Iterator[None]:
+    """Inside this block attention runs in PyTorch, also on CUDA (MINILLM_TRITON=0, restored on exit).
+
+    minillm's Triton FlashAttention kernel (chapter 02) computes the forward pass only: autograd
+    cannot see through it, so training through it would leave the q/k/v projections without
+    gradients. Training therefore always takes PyTorch's differentiable attention.
+    """
+    before = os.environ.get("MINILLM_TRITON")
+    os.environ["MINILLM_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MINILLM_TRITON"]
+        else:
+            os.environ["MINILLM_TRITON"] = before
+
+
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float) -> torch.Tensor:
     """One optimiser step on batch [B, T + 1] (inputs [:, :-1], targets [:, 1:]); returns the loss before it.
 
-    Next-token cross-entropy (bf16 autocast on CUDA, fp32 elsewhere), gradients clipped to norm 1.
+    Next-token cross-entropy (bf16 autocast on CUDA, fp32 elsewhere; attention in PyTorch, see
+    `pytorch_attention`), gradients clipped to norm 1.
     The returned loss is a detached scalar tensor: call `.item()` only when you need the number.
     """
     model.train()
     batch = batch.to(model.device)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"), \
+            pytorch_attention():
         logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
     optimizer.zero_grad(set_to_none=True)
