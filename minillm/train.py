@@ -146,13 +146,13 @@ def batches_for_eval(ids: torch.Tensor, seq_len: int, max_windows: int = 256) ->
 
 @torch.no_grad()
 def evaluate(model: Transformer, windows: torch.Tensor, batch_size: int = 32) -> float:
-    """Mean next-token cross-entropy (nats) over windows [n, T + 1]."""
+    """Mean next-token cross-entropy (nats) over windows [n, T + 1] (bf16 autocast and PyTorch attention on CUDA)."""
     model.eval()
     device = model.device
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         w = windows[i : i + batch_size].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"), pytorch_attention():
             logits = model(w[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="sum")
         total, count = total + loss.item(), count + w[:, 1:].numel()
@@ -179,7 +179,8 @@ def pytorch_attention() -> Iterator[None]:
 
     minillm's Triton FlashAttention kernel (chapter 02) computes the forward pass only: autograd
     cannot see through it, so training through it would leave the q/k/v projections without
-    gradients. Training therefore always takes PyTorch's differentiable attention.
+    gradients. And under bf16 autocast the kernel meets fp32 q/k (rotary multiplies by fp32 tables)
+    beside a bf16 v, which it refuses. Training and `evaluate` therefore take PyTorch's attention.
     """
     before = os.environ.get("MINILLM_TRITON")
     os.environ["MINILLM_TRITON"] = "0"
