@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "total_seconds": total,
     })
-    print(f"wrote {path.relative_to(ROOT)} in {total:.0f} s")
+    print(f"wrote {path} in {total:.0f} s")
     return 0
 
 

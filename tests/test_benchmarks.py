@@ -39,3 +39,33 @@ def test_phases_writes_rows_whose_flops_and_bytes_are_the_metrics_formulas(phase
     assert row["tokens_per_s"] == pytest.approx(3 / (row["step_ms"] / 1e3))
     assert data["prefill_vs_length"][0]["prompt_len"] == 8
     assert data["datasheet"] is None and "gpu_memory" not in data  # no GPU: no datasheet roofline claimed
+
+
+def test_gqa_quality_writes_a_row_per_kv_head_count(monkeypatch, tmp_path):
+    """The chapter 03 quality script on fake token ids: one row per divisor of the target's K/V heads,
+    the unconverted count marked as the control, the uptraining budget stated against pre-training."""
+    import torch
+    from safetensors.torch import save_file
+
+    import minillm
+    from minillm.checkpoints import SHIPPED_MODELS_DIR
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("gqa_quality", None)
+    import gqa_quality
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizer.json").write_bytes((SHIPPED_MODELS_DIR / minillm.DEFAULT_MODEL / "tokenizer.json").read_bytes())
+    ids = torch.randint(2, 4096, (2, 600), generator=torch.Generator().manual_seed(0))
+    save_file({"train": ids[0].contiguous(), "val": ids[1].contiguous()}, str(data / "tokens.safetensors"))
+    out = tmp_path / "gqa_quality_test"
+    assert gqa_quality.main(["--data", str(data), "--steps", "2", "--batch-size", "1", "--seq-len", "32",
+                             "--eval-windows", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {"date", "commit", "machine", "versions"} <= result.keys()
+    assert [r["n_kv_heads"] for r in result["rows"]] == [2, 1]
+    assert [r["control"] for r in result["rows"]] == [True, False]
+    assert result["rows"][0]["val_ppl_converted"] == result["shipped_val_ppl"]
+    assert result["rows"][1]["kv_cache_bytes_per_token_bf16"] * 2 == result["rows"][0]["kv_cache_bytes_per_token_bf16"]
+    assert result["uptraining_vs_pretraining"]["uptrain_tokens"] == 2 * 1 * 32
