@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from minillm.config import ModelConfig
@@ -438,6 +438,35 @@ def max_batch_size(
     free = gpu_memory_bytes * memory_utilization - weight_bytes(config, weight_bits) - reserve_bytes
     per_seq = kv_cache_bytes(config, seq_len, 1, kv_dtype_bytes)
     return max(0, math.floor(free / per_seq))
+
+
+def max_batch_size_with_kv_heads(
+    config: ModelConfig | str,
+    n_kv_heads: int,
+    gpu_memory_bytes: float,
+    seq_len: int,
+    weight_bits: float = 16,
+    kv_dtype_bytes: float | str = 2,
+    reserve_bytes: float = 0.0,
+) -> int:
+    """`max_batch_size` of `config` converted to `n_kv_heads` K/V heads by pooling (MHA -> GQA -> MQA):
+
+        max_batch_size(config with n_kv_heads replaced, gpu_memory_bytes, seq_len, ...)
+
+    Only the K/V heads change. The KV cache per token shrinks by config.n_kv_heads / n_kv_heads, and
+    the weights shrink too: each layer's k and v projections lose 2 x dim x (H_kv - n_kv_heads) x
+    head_dim weights (and their biases), which become room for cache. Pooling merges equal groups of
+    the current heads, so `n_kv_heads` must divide `config.n_kv_heads` (see `minillm.gqa`).
+    Units: sequences. Introduced in chapter 03.
+    """
+    c = _config(config)
+    valid = [d for d in range(1, c.n_kv_heads + 1) if c.n_kv_heads % d == 0]
+    if isinstance(n_kv_heads, bool) or n_kv_heads not in valid:
+        raise ValueError(f"n_kv_heads={n_kv_heads!r}: pooling merges equal groups of the config's {c.n_kv_heads} "
+                         f"K/V heads, so it must divide {c.n_kv_heads}; valid values are "
+                         f"{', '.join(map(str, valid))}.")
+    return max_batch_size(replace(c, n_kv_heads=n_kv_heads), gpu_memory_bytes, seq_len, weight_bits,
+                          kv_dtype_bytes, reserve_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
