@@ -447,3 +447,99 @@ def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, c
 def test_grade_command_rejects_an_unknown_chapter(capsys):
     assert main(["grade", "x.ipynb", "--chapter", "42"]) == 1
     assert "no chapter '42'" in capsys.readouterr().err
+
+
+def test_chapter_03_mistakes_get_hints_that_fit_them():
+    import dataclasses
+    import math
+
+    from minillm import metrics
+
+    def copies_kv(q, k, v):  # right numbers, but G copies of the cache
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+    def expands_kv(q, k, v):
+        b, h, t, d = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        k = k[:, :, None].expand(b, h_kv, h // h_kv, s, d).reshape(b, h, s, d)
+        v = v[:, :, None].expand(b, h_kv, h // h_kv, s, d).reshape(b, h, s, d)
+        return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1) @ v
+
+    def modulo_heads(q, k, v):  # query head h reads KV head h % H_kv
+        b, h, t, d = q.shape
+        h_kv = k.shape[1]
+        qg = q.reshape(b, h // h_kv, h_kv, t, d).transpose(1, 2)  # [b, h_kv, G, t, d]
+        out = torch.softmax(qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d), dim=-1) @ v[:, :, None]
+        return out.transpose(1, 2).reshape(b, h, t, d)
+
+    def loop_over_kv_heads(q, k, v):  # reads each KV head once: allowed
+        g = q.shape[1] // k.shape[1]
+        outs = [torch.softmax(q[:, j * g:(j + 1) * g] @ k[:, j:j + 1].mT / math.sqrt(q.shape[-1]), dim=-1)
+                @ v[:, j:j + 1] for j in range(k.shape[1])]
+        return torch.cat(outs, dim=1)
+
+    copy_test = "K and V are not copied per query head (no repeat_interleave, repeat, expand + reshape, cat)"
+    for wrong, copy_op in [(copies_kv, "k.repeat_interleave"), (expands_kv, "expand.reshape")]:
+        by_name = {r.name: r for r in run_task("03.group_query_heads", wrong).results}
+        assert [n for n, r in by_name.items() if not r.passed] == [copy_test], wrong.__name__
+        assert copy_op in by_name[copy_test].message
+        assert "group the queries instead of copying K and V" in by_name[copy_test].hint
+    result = run_task("03.group_query_heads", modulo_heads)
+    failed = [r for r in result.results if not r.passed]
+    assert failed and all("h // G" in r.hint and "h % H_kv" in r.hint for r in failed), repr(result)
+    by_name = {r.name: r for r in result.results}
+    assert not by_name["query head h reads KV head h // G (3 KV heads with very different values, G = 2)"].passed
+    assert run_task("03.group_query_heads", loop_over_kv_heads).passed
+
+    def strided(w, n, new):  # heads j, j + new, j + 2 new, ... pooled together
+        head_dim = w.shape[0] // n
+        return w.reshape(n // new, new, head_dim, *w.shape[1:]).mean(0).reshape(new * head_dim, *w.shape[1:])
+
+    def summed(w, n, new):
+        head_dim = w.shape[0] // n
+        return w.reshape(new, n // new, head_dim, *w.shape[1:]).sum(1).reshape(new * head_dim, *w.shape[1:])
+
+    for wrong, words in [(strided, "CONSECUTIVE"), (summed, "do not sum")]:
+        result = run_task("03.mean_pool_kv", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), (wrong.__name__, repr(result))
+    by_name = {r.name: r for r in run_task("03.mean_pool_kv", strided).results}
+    assert by_name["groups of one (new_kv_heads = n_kv_heads) return the weight unchanged"].passed
+
+    def latent_per_head(mla, head_dim, dtype_bytes=2):
+        per_layer = mla.kv_lora_rank + mla.rope_head_dim
+        return mla.n_layers * per_layer * dtype_bytes * mla.n_heads, per_layer / (2 * head_dim)
+
+    def key_only_heads(mla, head_dim, dtype_bytes=2):
+        per_layer = mla.kv_lora_rank + mla.rope_head_dim
+        return mla.n_layers * per_layer * dtype_bytes, per_layer / head_dim
+
+    for wrong, words in [(latent_per_head, "shared by every head"), (key_only_heads, "a key AND a value")]:
+        result = run_task("03.mla_bytes", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert len(failed) == len(result.results) and all(words in r.hint for r in failed), repr(result)
+    assert "69,120" in run_task("03.mla_bytes", latent_per_head).results[0].message
+
+    def same_weights(config, gpu_memory_bytes, seq_len, kv_heads, weight_bits=16, kv_dtype_bytes=2):
+        free = gpu_memory_bytes - metrics.param_count(config) * weight_bits / 8  # the MHA model's weights
+        return {h: max(0, math.floor(free / metrics.kv_cache_bytes(dataclasses.replace(config, n_kv_heads=h),
+                                                                   seq_len, 1, kv_dtype_bytes))) for h in kv_heads}
+
+    def sets_the_callers_config(config, gpu_memory_bytes, seq_len, kv_heads, weight_bits=16, kv_dtype_bytes=2):
+        out = {}
+        for h in kv_heads:
+            config.n_kv_heads = h
+            free = gpu_memory_bytes - metrics.param_count(config) * weight_bits / 8
+            out[h] = max(0, math.floor(free / metrics.kv_cache_bytes(config, seq_len, 1, kv_dtype_bytes)))
+        return out
+
+    by_name = {r.name: r for r in run_task("03.max_batch_gqa", same_weights).results}
+    shrink = by_name["the converted weights shrink too: a 7B MHA model pooled to 2 and 1 KV heads, 40 GB, 8k context"]
+    assert not shrink.passed and "weights are smaller too" in shrink.hint
+    first = by_name["Llama-2-7B (32 KV heads) on 80 GB at 4,096 tokens, as MHA, GQA-8, GQA-4 and MQA"]
+    assert "expected 126; got 123" in first.message  # GQA-8: 126 with the smaller k/v projections, 123 without
+    result = run_task("03.max_batch_gqa", sets_the_callers_config)
+    assert not any(r.passed for r in result.results)
+    assert all("dataclasses.replace" in r.hint for r in result.results)
