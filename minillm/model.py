@@ -170,12 +170,14 @@ def _triton_installed() -> bool:
 def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
     """Whether attention over activations like `x` runs minillm's Triton FlashAttention kernel (chapter 02).
 
-    Yes when `x` is a CUDA tensor of float16/bfloat16/float32, `head_dim` is one the kernel supports,
-    Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else (the CPU
-    above all) attention runs in PyTorch, `F.scaled_dot_product_attention` with an explicit mask.
+    Yes when `x` is a CUDA tensor of float16/bfloat16/float32 that autograd does not track (the
+    kernels have no backward pass: training runs attention in PyTorch), `head_dim` is one the kernel
+    supports, Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else
+    (the CPU above all) attention runs in PyTorch, `F.scaled_dot_product_attention`.
     """
     return (
         x.is_cuda
+        and not x.requires_grad
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and head_dim in FLASH_HEAD_DIMS
         and os.environ.get("MINILLM_TRITON", "1") != "0"
@@ -197,12 +199,13 @@ def grouped_query_attention(
     (chapter 03).
     """
     B, H, T, d = q.shape
-    if T == 1 and mask is None and use_triton_attention(q, d):
+    same_dtype = q.dtype == k.dtype == v.dtype  # under autocast, rotary leaves q and k in fp32 beside a bf16 v
+    if T == 1 and mask is None and same_dtype and use_triton_attention(q, d):
         from minillm.kernels import decode_attention
 
         return decode_attention(q[:, :, 0], k, v)[:, :, None]
     if isinstance(mask, str):  # CAUSAL
-        if use_triton_attention(q, d):
+        if same_dtype and use_triton_attention(q, d):
             from minillm.kernels import flash_attention
 
             return flash_attention(q, k, v, causal=True)

@@ -423,3 +423,27 @@ def test_model_decode_dispatches_to_the_decode_kernel_on_cuda(monkeypatch):
     assert not calls
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel < 2e-2, f"decode kernel vs PyTorch logits differ by {rel:.2e} (relative L2)"
+
+
+@cuda_only
+def test_model_trains_and_autocasts_through_pytorch_attention_on_cuda():
+    """The Triton kernels have no backward pass: a training forward on CUDA must take PyTorch attention
+    (every qkv_proj gets a gradient), and bf16 autocast (q, k in fp32 after rotary, v in bf16) must not
+    reach a kernel that needs one dtype."""
+    from conftest import random_hf_model
+
+    import minillm
+
+    hf = random_hf_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    model = minillm.from_transformers(hf).to("cuda")
+    tokens = torch.randint(0, 320, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    model(tokens).float().logsumexp(-1).mean().backward()
+    for layer in model.layers:
+        grad = layer.self_attn.qkv_proj.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, "attention got no gradient on CUDA"
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(tokens)
+    with torch.no_grad():
+        expected = model(tokens)
+    rel = ((logits.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert rel < 3e-2, f"bf16 autocast logits differ from fp32 by {rel:.2e}"
