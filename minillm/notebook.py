@@ -10,7 +10,8 @@ inference works can skip it. A chapter's first cell is
     print(notebook.environment())
 
 and later cells time code with `median_time`, read the committed GPU results with `load_results`,
-and print paths with `repo_relative` (never this machine's absolute path).
+print paths with `repo_relative` (never this machine's absolute path), and show progress with
+`tqdm` (import it from here: see below).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from typing import Any
 
 import torch
 
+with warnings.catch_warnings():
+    # Without ipywidgets, tqdm.auto falls back to text progress bars (fine in a notebook and on the
+    # site) and warns once, at import, with a path of this machine: import it here, quietly.
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    from tqdm.auto import tqdm
+
+__all__ = ["PLOT_STYLE", "REPO_ROOT", "RESULTS_DIR", "count_ops", "cpu_name", "environment", "load_results",
+           "median_time", "one_line", "repo_relative", "setup", "token_label", "tqdm"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """The folder that holds `minillm/`, `chapters/`, `benchmarks/` and `results/`."""
 
@@ -43,8 +53,10 @@ def setup(seed: int = 0, *, threads: int | None = None, triton_interpret: bool =
     """Prepare a notebook: call once, at the top of a chapter, before loading a model.
 
     * `TOKENIZERS_PARALLELISM=false` (unless already set): no fork warnings from the Rust tokenizer.
-    * Silences tqdm's "IProgress not found" warning: without ipywidgets, `tqdm.auto` falls back to
-      text progress bars, which is fine, and the warning would print a path of this machine.
+    * Silences tqdm's "IProgress not found" warning (libraries such as `transformers` import
+      `tqdm.auto` too): without ipywidgets it falls back to text bars, which is fine, and the
+      warning would print a path of this machine. Import the chapter's own progress bar as
+      `from minillm.notebook import tqdm`, which is `tqdm.auto.tqdm` imported without the warning.
     * matplotlib's style: `PLOT_STYLE`.
     * `torch.manual_seed(seed)`, and `torch.set_num_threads(threads)` if `threads` is given.
     * `triton_interpret=True` and no CUDA: sets `TRITON_INTERPRET=1`, so that Triton kernels run on the

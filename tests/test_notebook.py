@@ -130,3 +130,9 @@ def test_token_label_and_one_line():
     assert notebook.one_line("abcdefghij", 5) == "abcd…" and len(notebook.one_line("x" * 50, 20)) == 20
     with pytest.raises(ValueError, match="width"):
         notebook.one_line("abc", 1)
+
+
+def test_tqdm_is_tqdm_auto_imported_without_the_ipywidgets_warning():
+    from tqdm.auto import tqdm as auto_tqdm
+
+    assert notebook.tqdm is auto_tqdm
