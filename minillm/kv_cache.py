@@ -7,6 +7,10 @@ costs memory: per token, 2 (K and V) x n_layers x n_kv_heads x head_dim x bytes.
 `KVCache` pre-allocates that memory for `max_len` positions up front, one tensor per layer
 shaped [B, n_kv_heads, max_len, head_dim], and fills it left to right. Reserving for the longest
 possible sequence is exactly the waste that paging (chapter 04) removes.
+
+`KVCache` answers `minillm.model.CacheView`, the four questions `Transformer.forward` asks of any
+cache: `positions`, `attention_mask`, `update` and `advance` (the paged cache of chapter 04,
+`minillm.paging`, answers the same four).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import torch
 
 from minillm.config import ModelConfig
+from minillm.model import CAUSAL, attention_mask, use_triton_attention
 
 
 class KVCache:
     """Pre-allocated keys and values for every layer of a batch of equal-length sequences.
 
-    The model calls `update(layer, k, v)` in each layer, then `advance(T)` once per forward.
+    The model asks `positions(T)` and `attention_mask(...)` once per forward, calls
+    `update(layer, k, v)` in each layer, then `advance(T)` (see `minillm.model.CacheView`).
     """
 
     def __init__(
@@ -37,6 +43,25 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.max_len = max_len
         self.seq_len = 0  # positions filled so far (the same for every row)
+
+    def positions(self, n: int) -> torch.Tensor:
+        """The next n positions, the same for every row: [1, n] int64, seq_len .. seq_len + n - 1."""
+        return torch.arange(self.seq_len, self.seq_len + n, device=self.k[0].device)[None]
+
+    def attention_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor | str | None:
+        """Which of the seq_len + T slots `update` returns each of the T queries may see (chapter 04's interface).
+
+        positions [B, T] (or [1, T]) -> None (one query that sees every slot: a decode step), CAUSAL
+        (the plain triangle, when the Triton FlashAttention kernel will apply it itself, chapter 02),
+        or a bool mask [B, 1, T, seq_len + T], True = may attend.
+        """
+        T = positions.shape[-1]
+        if T == 1 and (window is None or self.seq_len < window):
+            return None  # one query sees every key: nothing to mask
+        if window is None and use_triton_attention(self.k[0], self.k[0].shape[-1]):
+            return CAUSAL  # a CUDA prefill: the FlashAttention kernel applies the causal pattern itself
+        keys = torch.arange(self.seq_len + T, device=positions.device).expand(positions.shape[0], -1)
+        return attention_mask(positions, keys, window)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] at the next T slots of `layer`.

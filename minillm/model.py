@@ -7,9 +7,12 @@
 
 One `forward` serves prefill (many tokens), decode (one token per sequence) and anything
 between: it takes token ids, their positions and an optional cache, and the cache decides where
-keys and values live. Module names follow vLLM's, which follow Hugging Face's, except that the
-q/k/v projections are stacked into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`:
-one large matmul instead of several small ones, the layout every serving engine uses.
+keys and values live: `CacheView` is all the forward asks of it (the contiguous `KVCache` of
+chapter 02 and the paged cache of chapter 04 both answer it).
+
+Module names follow vLLM's, which follow Hugging Face's, except that the q/k/v projections are
+stacked into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`: one large matmul
+instead of several small ones, the layout every serving engine uses.
 `minillm.checkpoints` stacks the checkpoint's separate matrices on load and splits them on save.
 On a CUDA GPU, prefill attention runs minillm's Triton FlashAttention kernel (chapter 02; see
 `use_triton_attention`, and MINILLM_TRITON=0 to turn it off); everywhere else it runs in PyTorch.
@@ -21,13 +24,13 @@ import functools
 import importlib.util
 import math
 import os
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +140,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | str | None,
-        cache: KVCache | None,
+        cache: CacheView | None,
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]. `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
         B, T, _ = x.shape
@@ -150,7 +153,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim], S = past + T
+            k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim]: every key to attend to
         out = grouped_query_attention(q, k, v, mask)  # [B, n_heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
 
@@ -249,7 +252,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | str | None,
-        cache: KVCache | None,
+        cache: CacheView | None,
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; the other arguments pass through to `Attention`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -268,6 +271,43 @@ def attention_mask(
     if sliding_window is not None:
         allowed &= k > q - sliding_window
     return allowed[:, None]
+
+
+class CacheView(Protocol):
+    """What `Transformer.forward` asks of a KV cache during one forward over a batch [B, T] (chapter 04).
+
+    The forward never learns where keys and values live. It asks the cache four things:
+
+        positions = cache.positions(T)                  [B or 1, T]: where the T new tokens of each row go
+        mask = cache.attention_mask(positions, window)  which of the keys `update` returns each query sees
+        k, v = cache.update(layer, k, v)                in every layer: store the new K/V, get all K/V to read
+        cache.advance(T)                                after the last layer: the new tokens are filled
+
+    The contiguous `minillm.kv_cache.KVCache` (chapter 02) answers for a batch of equal-length rows;
+    a `minillm.paging.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
+    may hold sequences of different lengths.
+    """
+
+    def positions(self, n: int) -> torch.Tensor:
+        """The positions of the next n tokens of each row, [B, n] or [1, n] (int64)."""
+        ...
+
+    def attention_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor | str | None:
+        """Which keys each query may see: [B, 1, T, S] bool over the S keys `update` returns, CAUSAL or None.
+
+        None means every query sees every key; CAUSAL the plain triangle (the T queries are the
+        last T of the S keys). `window` is the model's sliding window, or None.
+        """
+        ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, n_kv_heads, T, head_dim] of `layer`; return the keys and values to attend to,
+        each [B, n_kv_heads, S, head_dim]."""
+        ...
+
+    def advance(self, n: int) -> None:
+        """Mark the n new tokens of each row as filled (once per forward, after every layer wrote them)."""
+        ...
 
 
 class Transformer(nn.Module):
@@ -300,7 +340,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: CacheView | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits for `tokens`.
@@ -309,7 +349,8 @@ class Transformer(nn.Module):
             tokens: [B, T] token ids.
             positions: [B, T] (or [T]) their positions; default: the next T positions after
                 what `cache` holds (0..T-1 without a cache).
-            cache: a `KVCache` to read past keys/values from and append these T to, or None.
+            cache: a `CacheView` to read past keys/values from and append these T to (a `KVCache`,
+                or one step of a `PagedKVCache`, chapter 04), or None.
             last_only: return logits of the last position only (what decoding needs).
 
         Returns:
@@ -321,24 +362,22 @@ class Transformer(nn.Module):
                 "for one sequence pass tokens[None]."
             )
         B, T = tokens.shape
-        past = cache.seq_len if cache is not None else 0
         default_positions = positions is None
         if positions is None:
-            positions = torch.arange(past, past + T, device=tokens.device)
+            positions = torch.arange(T, device=tokens.device) if cache is None else cache.positions(T)
         positions = positions.expand(B, T)
         x = self.embed_tokens(tokens)  # [B, T, dim]
         cos, sin = self.rotary(positions, x.dtype)
 
-        # Keys are this call's tokens (no cache) or every slot the cache holds after appending.
+        # Which keys each query may see. With a cache, the keys are whatever its `update` returns
+        # (every position it holds, or each sequence's own in a ragged batch), so the cache says.
         window = self.config.sliding_window
-        if T == 1 and (window is None or past < window):
-            mask = None  # one query sees every key: nothing to mask
-        elif (window is None and default_positions and (cache is None or isinstance(cache, KVCache))
-              and use_triton_attention(x, self.config.head_dim)):
+        if cache is not None:
+            mask = cache.attention_mask(positions, window)
+        elif window is None and default_positions and use_triton_attention(x, self.config.head_dim):
             mask = CAUSAL  # a CUDA prefill: the FlashAttention kernel applies the causal pattern itself
         else:
-            keys = positions if cache is None else torch.arange(past + T, device=tokens.device).expand(B, -1)
-            mask = attention_mask(positions, keys, window)
+            mask = attention_mask(positions, positions, window)
 
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
