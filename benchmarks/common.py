@@ -12,17 +12,9 @@ from typing import Any
 
 import torch
 
+from minillm.notebook import cpu_name  # one definition, shared with the chapters
+
 RESULTS = Path(__file__).resolve().parent.parent / "results"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:

@@ -58,16 +58,6 @@ CONSTRAINTS = {
 }
 
 
-def best_of(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls of fn()."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def build(constraint, tokenizer) -> tuple[TokenIndex, float]:
     """The index, and the seconds the pattern took to compile to a DFA (the index build is timed inside)."""
     pattern = constraint if isinstance(constraint, str) else schema_to_regex(constraint)
