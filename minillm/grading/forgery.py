@@ -197,20 +197,27 @@ def resolve(dotted: str) -> Any:
     return None
 
 
+def forbidden_callables(forbidden: tuple[str, ...] | list[str]) -> list[tuple[str, Any]]:
+    """(dotted path, callable) for everything the paths forbid: a function itself, or every method of
+    a class (a property by its getter, a static or class method by its function). Paths that do not
+    resolve are skipped. Shared by the source check here and the sandbox's call watcher."""
+    found = []
+    for name in forbidden:
+        obj = resolve(name)
+        for member in (vars(obj).values() if isinstance(obj, type) else [obj]):
+            member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if callable(member):
+                found.append((name, member))
+    return found
+
+
 def forbidden_use(src: NotebookSource, expression: str, forbidden: tuple[str, ...]) -> str | None:
     """Why the answer is not the reader's own (None if its source uses nothing forbidden).
 
     forbidden: dotted paths of functions and classes that do the task; a class forbids its methods.
     """
-    targets: dict[int, str] = {}
-    for name in forbidden:
-        obj = resolve(name)
-        if obj is None:
-            continue
-        targets[id(obj)] = name
-        if isinstance(obj, type):
-            for member in vars(obj).values():
-                targets[id(getattr(member, "__func__", member))] = name
+    targets = {id(resolve(name)): name for name in forbidden if resolve(name) is not None}
+    targets.update({id(fn): name for name, fn in forbidden_callables(forbidden)})
     for dotted in sorted(reached_names(src, expression)):
         if dotted.startswith(GRADER_PACKAGE) and dotted not in ALLOWED_GRADER_NAMES:
             return f"it uses {dotted}, which belongs to the grader"

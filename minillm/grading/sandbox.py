@@ -352,7 +352,7 @@ _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "shutil.rmtree", "os.chmod
 
 def _install_guard(work: str) -> None:
     """The audit hook: no processes, no sockets, no writes outside `work` (the sandbox's folder)."""
-    allowed = (os.path.realpath(work) + os.sep, "/dev/null")
+    root = os.path.realpath(work) + os.sep
 
     def inside(path: Any) -> bool:
         if isinstance(path, int):
@@ -361,7 +361,7 @@ def _install_guard(work: str) -> None:
             real = os.path.realpath(os.fsdecode(path))
         except (TypeError, ValueError):
             return False
-        return real == "/dev/null" or (real + os.sep).startswith(allowed[0])
+        return real == "/dev/null" or (real + os.sep).startswith(root)
 
     def hook(event: str, args: tuple) -> None:
         if event in _BLOCKED_EVENTS:
@@ -416,22 +416,18 @@ def _count_own_processes() -> int:
 
 def _watch_list(forbid: list[str]) -> tuple[dict[Any, str], dict[int, str]]:
     """Code objects (Python functions, and the methods of classes) and builtins to watch, by name."""
-    from minillm.grading.forgery import resolve
+    from minillm.grading.forgery import forbidden_callables
 
     codes: dict[Any, str] = {}
     builtins: dict[int, str] = {}
-    for name in forbid:
-        obj = resolve(name)
-        targets = list(vars(obj).values()) if isinstance(obj, type) else [obj]
-        for target in targets:
-            target = target.fget if isinstance(target, property) else getattr(target, "__func__", target)
-            if callable(target) and not isinstance(target, type):
-                target = inspect.unwrap(target)  # a decorator's wrapper shares its code with every decorated function
-            code = getattr(target, "__code__", None)
-            if code is not None:
-                codes[code] = name
-            elif callable(target):
-                builtins[id(target)] = name
+    for name, target in forbidden_callables(forbid):
+        if not isinstance(target, type):
+            target = inspect.unwrap(target)  # a decorator's wrapper shares its code with every decorated function
+        code = getattr(target, "__code__", None)
+        if code is not None:
+            codes[code] = name
+        else:
+            builtins[id(target)] = name
     return codes, builtins
 
 
