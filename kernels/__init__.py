@@ -15,6 +15,11 @@ and chapter 03 adds the decode kernel:
                                                   once for its query heads, the sequence split across programs
     decode_attention_reference(...)               the same in plain PyTorch
 
+and chapter 04 the paged decode kernel, the same kernel reading K and V through block tables:
+
+    paged_decode_attention(q, k_pool, v_pool, block_tables, lengths)
+    paged_decode_attention_reference(...)         gather_kv through the tables, then the reference
+
 `import minillm.kernels` works on a machine without Triton: the names are then missing, and
 asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
 (prefill) and `decode_attention` (decode) only on CUDA (see `minillm.model.use_triton_attention`).
@@ -31,12 +36,18 @@ from __future__ import annotations
 import importlib.util
 
 __all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
-           "fused_add_rms_norm", "fused_add_rms_norm_reference"]
+           "fused_add_rms_norm", "fused_add_rms_norm_reference", "paged_decode_attention",
+           "paged_decode_attention_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 if TRITON_AVAILABLE:
-    from .decode_attention import decode_attention, decode_attention_reference
+    from .decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+        paged_decode_attention,
+        paged_decode_attention_reference,
+    )
     from .flash_attention import attention_reference, flash_attention
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
 else:

@@ -24,6 +24,10 @@ for M = max_s lse_s. (Dao et al., "Flash-Decoding for long-context inference", 2
 Ragged batches: `lengths[b]` says how many of the cache's slots sequence b fills; keys beyond it
 are never read, so a batch of sequences of different lengths costs the bytes each one holds.
 
+Paged caches (chapter 04): `paged_decode_attention` runs the same kernel on a paged cache's pools
+[num_blocks, block_size, H_kv, D], finding each key's block in the sequence's block table. Only the
+address of a key changes; the loads, the online softmax and the combine are the same code.
+
 Correctness: `decode_attention_reference` is the definition; tests/test_kernels.py compares the two
 at many shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1), and
 benchmarks/decode_attention.py measures GB/s on a GPU against SDPA and the copy bandwidth.
@@ -59,29 +63,37 @@ def decode_attention_reference(
     group = H // H_kv
     qg = q.float().reshape(B, H_kv, group, D)  # the G query heads of each KV head, side by side
     scores = torch.einsum("bkgd,bksd->bkgs", qg, k.float()) * scale  # [B, H_kv, G, S]
+    v = v.float()
     if lengths is not None:
         beyond = torch.arange(S, device=q.device)[None, :] >= lengths.to(q.device)[:, None]  # [B, S]
         scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgs,bksd->bkgd", scores.softmax(dim=-1), v.float())
+        v = v.masked_fill(beyond[:, None, :, None], 0.0)  # unfilled slots may hold anything, even NaN
+    out = torch.einsum("bkgs,bksd->bkgd", scores.softmax(dim=-1), v)
     return out.reshape(B, H, D).to(q.dtype)
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Lengths, O_part, LSE_part,
+    Q, K, V, Lengths, BlockTables, O_part, LSE_part,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
+    stride_tb, stride_tm,
     GROUP, CHUNK, S, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     FINAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """Program (b, kv_h, s): the G query heads of KV head kv_h of sequence b, over keys of chunk s.
 
     Writes, per query head, the chunk's normalised output o_s [D] and its log-sum-exp (base 2);
     with FINAL (one chunk per sequence) o_s is the answer, written straight to the output (O_part).
+
+    With PAGED (chapter 04), K and V are pools [num_blocks, PAGE_SIZE, H_kv, D] (stride_kb steps
+    one block, stride_kn one slot in it) and key n of sequence b lives in block
+    BlockTables[b, n // PAGE_SIZE] at offset n % PAGE_SIZE: one table lookup per key, then the same loads.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_h = tl.program_id(1).to(tl.int64)
@@ -99,8 +111,9 @@ def _decode_split_kernel(
                 mask=real[:, None], other=0.0)  # [BLOCK_G, D]
     if UPCAST:  # bf16 under the CPU interpreter: dots in fp32
         q = q.to(tl.float32)
-    k_ptrs = K + b * stride_kb + kv_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if not PAGED:  # sequence b's keys are rows b of K and V, key n at n * stride_kn
+        k_ptrs = K + b * stride_kb + kv_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -108,8 +121,15 @@ def _decode_split_kernel(
     for n in range(start, end, BLOCK_N):
         cols = n + offs_n
         inside = cols < end
-        k_t = tl.load(k_ptrs + n * stride_kn, mask=inside[None, :], other=0.0)  # [D, BLOCK_N]
-        v = tl.load(v_ptrs + n * stride_vn, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
+        if PAGED:  # where each key lives: its block from the block table, its offset in the block
+            blocks = tl.load(BlockTables + b * stride_tb + (cols // PAGE_SIZE) * stride_tm, mask=inside, other=0)
+            k_rows = blocks.to(tl.int64) * stride_kb + (cols % PAGE_SIZE) * stride_kn + kv_h * stride_kh
+            v_rows = blocks.to(tl.int64) * stride_vb + (cols % PAGE_SIZE) * stride_vn + kv_h * stride_vh
+            k_t = tl.load(K + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=inside[None, :], other=0.0)
+            v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=inside[:, None], other=0.0)
+        else:
+            k_t = tl.load(k_ptrs + n * stride_kn, mask=inside[None, :], other=0.0)  # [D, BLOCK_N]
+            v = tl.load(v_ptrs + n * stride_vn, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
         if UPCAST:
             k_t, v = k_t.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base-2 scores
@@ -205,6 +225,28 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: to
                          f"{tuple(lengths.shape)}.")
 
 
+def _check_paged_inputs(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor
+) -> None:
+    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(
+            f"q must be [batch, heads, head_dim] and k_pool, v_pool [num_blocks, block_size, kv_heads, head_dim] "
+            f"of one shape; got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}."
+        )
+    # The pools seen as a [num_blocks, H_kv, block_size, D] cache pass the dense checks (heads, dims, dtypes).
+    _check_inputs(q[:0], k_pool[:0].transpose(1, 2), v_pool[:0].transpose(1, 2), None)
+    B = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype.is_floating_point:
+        raise ValueError(f"block_tables must be an integer tensor [{B}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}.")
+    if lengths.shape != (B,) or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be an integer tensor of shape [{B}], got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}.")
+    if block_tables.device != q.device or k_pool.device != q.device:
+        raise ValueError(f"q ({q.device}), the pools ({k_pool.device}) and block_tables ({block_tables.device}) "
+                         "must be on one device.")
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None,
     scale: float | None = None, *, num_splits: int | None = None, block_n: int | None = None,
@@ -218,8 +260,18 @@ def decode_attention(
     (that would cost a host sync): a length beyond S reads past the cache.
     """
     _check_inputs(q, k, v, lengths)
+    # Sequence b's key n is at b * k.stride(0) + n * k.stride(2): strides in the kernel's (b, h, n, d) order.
+    return _launch(q, k, v, k.stride(), v.stride(), lengths, None, k.shape[2], scale, num_splits, block_n)
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+    lengths: torch.Tensor | None, block_tables: torch.Tensor | None, S: int, scale: float | None,
+    num_splits: int | None, block_n: int | None,
+) -> torch.Tensor:
+    """Run the split kernel (and the combine kernel) for contiguous or paged K/V; strides in (b, h, n, d) order."""
     B, H, D = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
+    H_kv = k.shape[2] if block_tables is not None else k.shape[1]
     out = torch.empty_like(q)
     if B == 0 or H == 0:
         return out
@@ -243,12 +295,15 @@ def decode_attention(
     else:
         o_part = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    paged = block_tables is not None
     _decode_split_kernel[(B, H_kv, splits)](
-        q, k, v, lengths if lengths is not None else q, o_part, lse_part,
-        *q.stride(), *k.stride(), *v.stride(), *o_part.stride(), *lse_part.stride(),
+        q, k, v, lengths if lengths is not None else q, block_tables if paged else q, o_part, lse_part,
+        *q.stride(), *k_strides, *v_strides, *o_part.stride(), *lse_part.stride(),
+        *(block_tables.stride() if paged else (0, 0)),
         group, chunk, S, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        HAS_LENGTHS=lengths is not None, FINAL=final, UPCAST=upcast, DOT_PRECISION=precision, **launch,
+        HAS_LENGTHS=lengths is not None, FINAL=final, UPCAST=upcast, DOT_PRECISION=precision,
+        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, **launch,
     )
     if final:
         return out
@@ -258,3 +313,43 @@ def decode_attention(
         splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
     )
     return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Paged decode attention in plain PyTorch: gather each sequence's keys through its block table, then
+    `decode_attention_reference` (chapter 04).
+
+    q [B, H, D], k_pool and v_pool [num_blocks, block_size, H_kv, D], block_tables [B, M] int,
+    lengths [B] int (1 .. M * block_size) -> [B, H, D].
+    """
+    from minillm.paging import gather_kv
+
+    S = int(lengths.max())
+    k, v = gather_kv(k_pool, block_tables.long(), S), gather_kv(v_pool, block_tables.long(), S)
+    return decode_attention_reference(q, k, v, lengths, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
+    max_len: int | None = None, scale: float | None = None, *, num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Decode attention that reads K and V through block tables: the kernel above, PAGED (chapter 04).
+
+    q [B, H, D]; k_pool and v_pool [num_blocks, block_size, H_kv, D], the paged cache's pools for one
+    layer (`minillm.paging.PagedKVCache.k[layer]`); block_tables [B, M] int (sequence b's key n is in
+    block block_tables[b, n // block_size] at offset n % block_size); lengths [B] int, the keys each
+    sequence holds (>= 1) -> [B, H, D] in q's dtype, fp32 inside. `max_len`, the largest length, sizes
+    the split (pass it when you know it: reading it from a GPU tensor costs a host sync); default
+    M * block_size. The block size may be any positive number; 16 is vLLM's default and ours.
+    """
+    _check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    S = max_len if max_len is not None else block_tables.shape[1] * k_pool.shape[1]
+    # Key n of sequence b is at block_tables[b, n // P] * stride(0) + (n % P) * stride(1): the pool's
+    # strides in the kernel's (block, head, slot-in-block, d) order.
+    ks, vs = k_pool.stride(), v_pool.stride()
+    return _launch(q, k_pool, v_pool, (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3]),
+                   lengths, block_tables, S, scale, num_splits, block_n)

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -165,6 +166,21 @@ CAUSAL = "causal"
 FLASH_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims minillm.kernels.flash_attention compiles for
 
 
+@dataclass(frozen=True)
+class PagedDecode:
+    """The `mask` of a decode step that reads keys and values straight from a paged cache (chapter 04).
+
+    A `minillm.paging.PagedCacheView` returns it from `attention_mask` when every row has one new
+    token and the paged Triton kernel will run (CUDA). Its `update` then hands back the layer's
+    pools [num_blocks, block_size, n_kv_heads, head_dim] instead of gathering each row's keys, and
+    `grouped_query_attention` runs `minillm.kernels.paged_decode_attention` with these tables.
+    """
+
+    block_tables: torch.Tensor  # [B, M] int: row b's blocks, in order
+    seq_lens: torch.Tensor  # [B] int: the keys row b attends to, its new token's included
+    max_seq_len: int  # max(seq_lens), known on the host (reading it from the GPU would cost a sync)
+
+
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -189,7 +205,7 @@ def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
 
 
 def grouped_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | PagedDecode | None
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v, where each group of G = H / H_kv query heads shares one K/V head.
 
@@ -199,9 +215,15 @@ def grouped_query_attention(
     With mask=CAUSAL the Triton FlashAttention kernel runs where it can (it maps each query head to
     its K/V head itself); elsewhere CAUSAL becomes an explicit mask. A decode step (T = 1, no mask)
     on CUDA runs the Triton decode kernel, which reads each K/V head once for its G query heads
-    (chapter 03).
+    (chapter 03). With mask a `PagedDecode`, k and v are a paged cache's pools and the paged decode
+    kernel reads them through the block tables (chapter 04).
     """
     B, H, T, d = q.shape
+    if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
+        from minillm.kernels import paged_decode_attention
+
+        out = paged_decode_attention(q[:, :, 0].to(k.dtype), k, v, mask.block_tables, mask.seq_lens, mask.max_seq_len)
+        return out.to(q.dtype)[:, :, None]
     same_dtype = q.dtype == k.dtype == v.dtype  # under autocast, rotary leaves q and k in fp32 beside a bf16 v
     if T == 1 and mask is None and same_dtype and use_triton_attention(q, d):
         from minillm.kernels import decode_attention

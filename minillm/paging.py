@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.config import ModelConfig
-from minillm.model import attention_mask
+from minillm.model import PagedDecode, attention_mask, use_triton_attention
 
 PAD_SLOT = -1  # the slot of a padding token in `slot_mapping`: nothing is written for it (as in vLLM)
 
@@ -451,6 +451,7 @@ class PagedCacheView:
                                          device=device)
         self.write_rows = torch.tensor(write_rows, device=device)
         self.write_slots = torch.tensor(write_slots, device=device)
+        self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
         self.done = False
 
     # ---------------------------------------------------------------- the CacheView interface
@@ -461,24 +462,32 @@ class PagedCacheView:
                              "pass view.tokens to the model.")
         return self.position_ids
 
-    def attention_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor | PagedDecode:
         """[B, 1, T, S] bool: key position <= query position (and within `window`).
 
         The keys `update` returns are positions 0..S-1 of each row, and a row's real queries sit
         below its own length, so the causal rule alone hides the keys past a shorter row's end.
+        A decode step (one new token per row) on CUDA gets a `PagedDecode` instead: attention then
+        reads the pools through the block tables with the paged Triton kernel, and nothing is gathered.
         """
+        pool = self.cache.k[0]
+        if self.T == 1 and window is None and use_triton_attention(pool, pool.shape[-1]):
+            self.read_pools = True
+            seq_lens = torch.tensor(self.seq_lens, device=pool.device, dtype=torch.int32)
+            return PagedDecode(self.block_tables, seq_lens, self.max_seq_len)
         keys = torch.arange(self.max_seq_len, device=positions.device).expand(positions.shape[0], -1)
         return attention_mask(positions, keys, window)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] (padding skipped) to their slots in `layer`'s pools;
-        return every row's keys and values, [B, n_kv_heads, max(seq_lens), head_dim]."""
+        return every row's keys and values, [B, n_kv_heads, max(seq_lens), head_dim], or, for the
+        paged kernel (see `attention_mask`), the pools themselves."""
         out = []
         for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             B, H, T, d = new.shape
             rows = new.transpose(1, 2).reshape(B * T, H, d).index_select(0, self.write_rows)
             pool.view(-1, H, d).index_copy_(0, self.write_slots, rows.to(pool.dtype))  # [num_blocks * bs, H, d]
-            out.append(gather_kv(pool, self.block_tables, self.max_seq_len))
+            out.append(pool if self.read_pools else gather_kv(pool, self.block_tables, self.max_seq_len))
         return out[0], out[1]
 
     def advance(self, n: int) -> None:

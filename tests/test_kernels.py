@@ -324,6 +324,153 @@ def test_decode_attention_bad_inputs_say_what_to_do(case, message):
         decode_attention(q, k, v, lengths)
 
 
+# ---------------------------------------------------------------- the paged decode kernel (chapter 04)
+
+
+def scatter_into_pool(k, v, lengths, block_size, spare_blocks=3, seed=0):
+    """A dense cache k, v [B, H_kv, S, D] written into pools [num_blocks, block_size, H_kv, D] at random,
+    non-contiguous blocks (spare blocks left full of NaN, so reading a wrong block poisons the output);
+    returns the pools and the block tables [B, M] int32."""
+    B, H_kv, S, D = k.shape
+    M = -(-S // block_size)
+    num_blocks = B * M + spare_blocks
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    tables = order[: B * M].reshape(B, M).to(DEVICE, torch.int32)
+    pools = []
+    for dense in (k, v):
+        pool = torch.full((num_blocks, block_size, H_kv, D), float("nan"), dtype=dense.dtype, device=DEVICE)
+        padded = torch.zeros(B, H_kv, M * block_size, D, dtype=dense.dtype, device=DEVICE)
+        padded[:, :, :S] = dense
+        pool[tables.long()] = padded.transpose(1, 2).reshape(B, M, block_size, H_kv, D)
+        for b, n in enumerate(lengths):  # the slots past a sequence's end hold NaN: they must not be read
+            blocks = tables[b].long()
+            flat = pool[blocks].reshape(M * block_size, H_kv, D)
+            flat[n:] = float("nan")
+            pool[blocks] = flat.reshape(M, block_size, H_kv, D)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+# (B, H, H_kv, lengths, D, block_size): block 16 (the default), small and large blocks, one that is no
+# power of two, a block larger than the kernel's tile
+PAGED_SHAPES = [
+    (2, 8, 2, [37, 5], 32, 16),
+    (3, 4, 4, [1, 64, 50], 16, 16),  # MHA; one sequence of one token; one exactly 4 blocks
+    (1, 16, 2, [300], 64, 16),  # GQA 8
+    (2, 8, 1, [129, 70], 32, 8),  # MQA, small blocks
+    (2, 8, 2, [90, 33], 16, 5),  # a block size that is not a power of two
+    (2, 4, 2, [200, 130], 16, 64),  # blocks larger than the interpreter's 32-key tile
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", PAGED_SHAPES, ids=lambda s: _decode_id(s[:5]) + f"-P{s[5]}")
+def test_paged_decode_attention_matches_the_dense_kernel(shape, dtype):
+    """Through block tables the kernel reads exactly the keys the dense cache holds: it equals the dense
+    reference on the same keys, and the paged reference (gather_kv, then the reference)."""
+    from minillm.kernels import paged_decode_attention, paged_decode_attention_reference
+
+    B, H, H_kv, lens, D, P = shape
+    q, k, v = random_decode(B, H, H_kv, max(lens), D, dtype, seed=sum(lens) + P)
+    lengths = torch.tensor(lens, device=DEVICE)
+    k_pool, v_pool, tables = scatter_into_pool(k, v, lens, P, seed=P)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, max_len=max(lens))
+    assert got.shape == (B, H, D) and got.dtype == dtype and torch.isfinite(got).all()
+    assert_close(got, decode_attention_reference(q, k, v, lengths), dtype, f"paged vs dense reference at {shape}")
+    assert_close(paged_decode_attention_reference(q, k_pool, v_pool, tables, lengths),
+                 decode_attention_reference(q, k, v, lengths), dtype, "the paged reference vs the dense one")
+    default_max = paged_decode_attention(q, k_pool, v_pool, tables, lengths)  # max_len from the table's width
+    assert_close(default_max, got, dtype, "max_len left to its default")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_paged_decode_attention_shared_blocks_and_any_split(num_splits):
+    """Two sequences sharing their first blocks (a forked prompt) read them correctly; splits do not matter."""
+    from minillm.kernels import paged_decode_attention
+
+    q, k, v = random_decode(2, 8, 2, 100, 32, torch.float32, seed=9)
+    k[1, :, :64], v[1, :, :64] = k[0, :, :64], v[0, :, :64]  # a common prefix of 4 blocks
+    k_pool, v_pool, tables = scatter_into_pool(k, v, [100, 90], 16, seed=1)
+    tables[1, :4] = tables[0, :4]  # sequence 1 points at sequence 0's prefix blocks: shared, not copied
+    lengths = torch.tensor([100, 90], device=DEVICE)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, num_splits=num_splits)
+    assert_close(got, decode_attention_reference(q, k, v, lengths), torch.float32, f"{num_splits} splits, shared")
+
+
+def test_paged_decode_attention_bf16_through_the_interpreter():
+    from minillm.kernels import paged_decode_attention
+
+    q, k, v = random_decode(2, 4, 2, 70, 64, torch.bfloat16, seed=5)
+    k_pool, v_pool, tables = scatter_into_pool(k, v, [70, 41], 16)
+    lengths = torch.tensor([70, 41], device=DEVICE)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, scale=0.3)
+    assert_close(got, decode_attention_reference(q, k, v, lengths, scale=0.3), torch.bfloat16, "bf16 paged")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("pool3d", "k_pool, v_pool"), ("table_float", "block_tables must be"), ("table_batch", "block_tables must be"),
+    ("lengths", "lengths must be"), ("heads", "multiple"),
+])
+def test_paged_decode_attention_bad_inputs_say_what_to_do(case, message):
+    from minillm.kernels import paged_decode_attention
+
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    k_pool = v_pool = torch.randn(6, 16, 2, 16, device=DEVICE)
+    tables, lengths = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE), torch.tensor([5, 9], device=DEVICE)
+    if case == "pool3d":
+        k_pool = v_pool = k_pool[0]
+    elif case == "table_float":
+        tables = tables.float()
+    elif case == "table_batch":
+        tables = tables[:1]
+    elif case == "lengths":
+        lengths = lengths[:1]
+    elif case == "heads":
+        k_pool = v_pool = torch.randn(6, 16, 3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(q, k_pool, v_pool, tables, lengths)
+
+
+def paged_decode_logits(model, prompts, device):
+    """Prefill `prompts` (ragged) into a PagedKVCache, then one decode step for all: its logits [B, V]."""
+    from minillm.paging import PagedKVCache
+
+    cache = PagedKVCache(model.config, num_blocks=32, block_size=16, device=device, dtype=model.dtype)
+    for i, p in enumerate(prompts):
+        cache.add_sequence(i, p[:-1])
+    ids = list(range(len(prompts)))
+    with torch.no_grad():
+        prefill = cache.prepare(ids, [p[:-1] for p in prompts])
+        model(prefill.tokens, cache=prefill)
+        step = cache.prepare(ids, [p[-1:] for p in prompts])
+        return model(step.tokens, cache=step)[:, -1].float(), step
+
+
+def test_model_decode_on_a_paged_cache_runs_the_paged_kernel(monkeypatch):
+    """The model's decode step on a PagedKVCache, with the paged kernel forced on (as on CUDA): the kernel
+    runs once per layer, reads the pools (nothing gathered), and gives the logits of PyTorch attention."""
+    from conftest import random_hf_model
+
+    import minillm
+    import minillm.paging
+
+    model = minillm.from_transformers(random_hf_model("llama", hidden_size=64, num_attention_heads=4,
+                                                      num_key_value_heads=2))  # head_dim 16, GQA 2
+    prompts = [list(range(5, 45)), list(range(50, 57)), list(range(100, 120))]  # 40, 7 and 20 tokens
+    expected, view = paged_decode_logits(model, prompts, "cpu")  # PyTorch attention: gathers through the tables
+    assert not view.read_pools
+    calls = []
+    kernel = minillm.kernels.paged_decode_attention
+    monkeypatch.setattr(minillm.kernels, "paged_decode_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
+    monkeypatch.setattr(minillm.paging, "use_triton_attention", lambda x, d: True)  # as on CUDA
+    got, view = paged_decode_logits(model, prompts, "cpu")
+    assert view.read_pools and len(calls) == model.config.n_layers, f"paged kernel ran {len(calls)} times"
+    assert calls[0][1].shape == (32, 16, 2, 16), "the kernel must get the layer's pool, not gathered keys"
+    assert_close(got, expected, torch.float32, "logits with the paged kernel vs PyTorch attention")
+
+
+
+
 # ---------------------------------------------------------------- CUDA only: real lengths, bf16, dispatch
 
 
@@ -423,6 +570,44 @@ def test_model_decode_dispatches_to_the_decode_kernel_on_cuda(monkeypatch):
     assert not calls
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel < 2e-2, f"decode kernel vs PyTorch logits differ by {rel:.2e} (relative L2)"
+
+
+@cuda_only
+def test_model_decode_on_a_paged_cache_dispatches_to_the_paged_kernel_on_cuda(monkeypatch):
+    """On CUDA a paged decode step runs paged_decode_attention once per layer and agrees with MINILLM_TRITON=0."""
+    from conftest import random_hf_model
+
+    import minillm
+
+    hf = random_hf_model("llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)  # head_dim 32
+    model = minillm.from_transformers(hf).to("cuda", torch.bfloat16)
+    prompts = [list(range(5, 45)), list(range(50, 57)), list(range(100, 170))]
+    calls = []
+    kernel = minillm.kernels.paged_decode_attention
+    monkeypatch.setattr(minillm.kernels, "paged_decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.delenv("MINILLM_TRITON", raising=False)
+    got, _ = paged_decode_logits(model, prompts, "cuda")
+    assert len(calls) == model.config.n_layers, f"paged kernel ran {len(calls)} times"
+    monkeypatch.setenv("MINILLM_TRITON", "0")
+    calls.clear()
+    expected, _ = paged_decode_logits(model, prompts, "cuda")
+    assert not calls
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 2e-2, f"paged kernel vs PyTorch logits differ by {rel:.2e} (relative L2)"
+
+
+@cuda_only
+def test_cuda_paged_decode_attention_bf16_at_real_lengths():
+    from minillm.kernels import paged_decode_attention
+
+    B, H, H_kv, S = 16, 32, 8, 4096
+    q, k, v = random_decode(B, H, H_kv, S, 128, torch.bfloat16, device="cuda")
+    lengths = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+    lengths[0] = S
+    k_pool, v_pool, tables = scatter_into_pool(k, v, lengths, 16)
+    lengths = torch.tensor(lengths, device="cuda")
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, max_len=S)
+    assert_close(got, decode_attention_reference(q, k, v, lengths), torch.bfloat16, "paged bf16 at 4k")
 
 
 @cuda_only
