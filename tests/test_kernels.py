@@ -446,6 +446,8 @@ def paged_decode_logits(model, prompts, device):
         return model(step.tokens, cache=step)[:, -1].float(), step
 
 
+@pytest.mark.skipif(CUDA, reason="forces the kernel onto CPU tensors, which needs the interpreter; on CUDA the "
+                    "dispatch test below runs it for real")
 def test_model_decode_on_a_paged_cache_runs_the_paged_kernel(monkeypatch):
     """The model's decode step on a PagedKVCache, with the paged kernel forced on (as on CUDA): the kernel
     runs once per layer, reads the pools (nothing gathered), and gives the logits of PyTorch attention."""
