@@ -27,8 +27,13 @@ The semantics are those of Hugging Face transformers' `generate(num_beams=..., d
   length and could still overtake. "never" uses max_tokens as the length in that case, a true
   upper bound, so it never stops while a better hypothesis is possible (the textbook algorithm).
 
-The KV cache has one row per beam. After each step the new beams' rows must hold their parents'
-keys and values, so `select_cache_rows` gathers them (see its docstring for the cost).
+The KV cache is paged (chapter 04), one sequence per beam. After each step a new beam must hold
+its parent's keys and values: it is forked from its parent, sharing every block, and the old beams
+are freed. Nothing is copied but the partly filled last block a beam first writes to while a sibling
+still shares it (copy-on-write). With a contiguous cache, one row per beam, every step would have to
+gather the parents' rows: 2 x n_layers x num_beams x n_kv_heads x length x head_dim elements read
+and written, growing with the length (for shakespeare-11m, 4 beams at 200 tokens in fp32, 3.7 MB
+each way per step, beside the 43 MB of weights a step reads).
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.generate import decode_one_token, prefill, prepare_prompt
-from minillm.kv_cache import KVCache
+from minillm.generate import prepare_prompt
 from minillm.model import Transformer
+from minillm.paging import PagedKVCache, blocks_needed, paged_forward
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 EarlyStopping = bool | str  # True, False or "never"
+BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 NO_BEAM = -1e9  # the starting score of beams that are only copies of the prompt (as in transformers)
 
 
@@ -96,28 +102,6 @@ def beam_step(
     return next_scores, flat // vocab, flat % vocab
 
 
-def select_cache_rows(cache: KVCache, rows: torch.Tensor) -> None:
-    """Make row i of the cache a copy of old row rows[i], in every layer (chapter 01).
-
-    rows [B'] (int64) may repeat, reorder or drop rows, so one function serves three uses: fork a
-    prompt's one row into B' copies (rows = zeros), reorder beams after a step (rows = the parents
-    of the new beams), and drop finished sequences from a batch.
-
-    Cost: a gather of the filled slots of every layer's K and V, 2 x n_layers x B' x n_kv_heads x
-    seq_len x head_dim elements read and as many written. For shakespeare-11m (6 layers, 2 KV heads
-    of 48) with 4 beams at 200 tokens in fp32 that is 3.7 MB each way per step, next to the 43 MB of
-    weights a decode step reads; it grows with the length. A paged KV cache (chapter 04) makes it
-    free: beams share their common prefix's blocks through their block tables, so reordering beams
-    only rewrites block tables and reference counts (copying at most a partly filled last block).
-    """
-    filled = cache.seq_len
-    for buffers in (cache.k, cache.v):
-        for layer, old in enumerate(buffers):
-            new = old.new_empty((len(rows), *old.shape[1:]))  # [B', n_kv_heads, max_len, head_dim]
-            new[:, :, :filled] = old[:, :, :filled].index_select(0, rows)
-            buffers[layer] = new
-
-
 def default_eos_ids(model: Transformer, tokenizer: Tokenizer | None) -> set[int]:
     """The ids that end a sequence: the model config's and the tokenizer's (as `generate` uses)."""
     return set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
@@ -125,13 +109,14 @@ def default_eos_ids(model: Transformer, tokenizer: Tokenizer | None) -> set[int]
 
 # ------------------------------------------------------------------ the search
 class BeamSearch:
-    """The state of one beam search: the running beams, their KV cache rows, the finished hypotheses.
+    """The state of one beam search: the running beams, their paged KV cache, the finished hypotheses.
 
     `beam_search` runs it to the end; driving `step()` yourself lets you look at the beams and their
     next-token logits between steps (the tests check them against a forward without a cache).
 
     Attributes:
         beams: the generated ids of each running beam, best first.
+        beam_ids: their sequence ids in `cache`, a `PagedKVCache` (chapter 04).
         beam_scores: [num_beams] float32, their cumulative log-probabilities.
         logits: [num_beams, V], each running beam's next-token logits.
         length: how many tokens each running beam has generated.
@@ -155,9 +140,16 @@ class BeamSearch:
         self._order = itertools.count()  # breaks score ties in the heap
 
         device = model.device
-        self.cache = KVCache(model.config, 1, len(prompt_ids) + max_tokens, device, model.dtype)
-        logits = prefill(model, torch.tensor([prompt_ids], device=device), self.cache)  # [1, V]
-        select_cache_rows(self.cache, torch.zeros(num_beams, dtype=torch.long, device=device))  # fork
+        # The prompt's blocks once; each beam's own blocks for max_tokens tokens plus a copied last prompt block.
+        per_beam = blocks_needed(max_tokens, BLOCK_SIZE) + 1
+        num_blocks = blocks_needed(len(prompt_ids), BLOCK_SIZE) + num_beams * per_beam
+        self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype,
+                                  enable_prefix_caching=False)
+        self._ids = itertools.count()  # a fresh sequence id for every beam ever made
+        self.beam_ids = [next(self._ids)]
+        self.cache.add_sequence(self.beam_ids[0])
+        logits = paged_forward(model, self.cache, self.beam_ids, [prompt_ids])  # [1, V]
+        self.beam_ids = self._fork([self.beam_ids[0]] * num_beams)  # every beam shares the prompt's blocks
         self.logits = logits.expand(num_beams, -1)  # [num_beams, V]
         self.beams: list[list[int]] = [[] for _ in range(num_beams)]
         # Every beam is the prompt for now: let only beam 0's candidates count, or the first step
@@ -185,9 +177,23 @@ class BeamSearch:
         self.beam_scores = scores[keep]
         if self._is_done():
             return False
-        select_cache_rows(self.cache, parents)  # each new beam continues its parent's keys and values
-        self.logits = decode_one_token(self.model, tokens[:, None], self.cache)
+        self.beam_ids = self._fork([self.beam_ids[p] for p in parents.tolist()])  # each continues its parent
+        self.logits = paged_forward(self.model, self.cache, self.beam_ids, [[t] for t in tokens.tolist()])
         return True
+
+    def _fork(self, parents: list[int]) -> list[int]:
+        """New beams, one forked from each of `parents` (sequence ids, repeats allowed); the old beams are freed.
+
+        Forking shares blocks (reference counts + 1) and freeing drops the old references, so a block
+        only some new beam still needs stays, and a parent nobody continues gives its own blocks back.
+        """
+        children = []
+        for parent in parents:
+            children.append(next(self._ids))
+            self.cache.fork(parent, children[-1])
+        for old in self.beam_ids:
+            self.cache.free(old)
+        return children
 
     def _finish(self, token_ids: list[int], sum_logprob: torch.Tensor) -> None:
         """Offer a hypothesis to the heap of the best num_beams finished ones."""
@@ -249,7 +255,7 @@ def beam_search(
     `score` is its `sequences_scores`.
 
     Args:
-        model: the model; one KV cache with num_beams rows is allocated for the search.
+        model: the model; one paged KV cache is allocated for the search, the beams sharing blocks.
         prompt: text (with a tokenizer) or token ids.
         num_beams: how many running sequences to keep.
         max_tokens: the most tokens to generate.

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.config import ModelConfig
-from minillm.model import PagedDecode, attention_mask, use_triton_attention
+from minillm.model import PagedDecode, Transformer, attention_mask, use_triton_attention
 
 PAD_SLOT = -1  # the slot of a padding token in `slot_mapping`: nothing is written for it (as in vLLM)
 
@@ -404,6 +404,25 @@ class PagedKVCache:
                 self.allocator.cache_block(table.block_ids[i], table.block_hashes[-1])
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens positions: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+@torch.inference_mode()
+def paged_forward(
+    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """One forward of the model over new tokens of several sequences of `cache` (chapter 04).
+
+    token_ids[i] (one or more ids) follow what seq_ids[i] already holds; prefill, chunks and decode
+    tokens may be mixed. Returns the logits of each sequence's last new token, [len(seq_ids), vocab]:
+    what chooses its next token.
+    """
+    view = cache.prepare(seq_ids, token_ids)
+    return model(view.tokens, cache=view, last_only=True)[:, -1]
+
+
 class PagedCacheView:
     """One forward over a batch of sequences of a `PagedKVCache`: the per-step context (chapter 04).
 
@@ -451,7 +470,9 @@ class PagedCacheView:
                                          device=device)
         self.write_rows = torch.tensor(write_rows, device=device)
         self.write_slots = torch.tensor(write_slots, device=device)
+        self.padded = min(self.num_new) < T  # whether some rows are left-padded
         self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
+        self._read_slots: torch.Tensor | None = None
         self.done = False
 
     # ---------------------------------------------------------------- the CacheView interface
@@ -475,6 +496,8 @@ class PagedCacheView:
             self.read_pools = True
             seq_lens = torch.tensor(self.seq_lens, device=pool.device, dtype=torch.int32)
             return PagedDecode(self.block_tables, seq_lens, self.max_seq_len)
+        if self.T == 1 and window is None and min(self.seq_lens) == self.max_seq_len:
+            return None  # one query per row and every row as long as the longest: each query sees every key
         keys = torch.arange(self.max_seq_len, device=positions.device).expand(positions.shape[0], -1)
         return attention_mask(positions, keys, window)
 
@@ -485,10 +508,29 @@ class PagedCacheView:
         out = []
         for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             B, H, T, d = new.shape
-            rows = new.transpose(1, 2).reshape(B * T, H, d).index_select(0, self.write_rows)
-            pool.view(-1, H, d).index_copy_(0, self.write_slots, rows.to(pool.dtype))  # [num_blocks * bs, H, d]
-            out.append(pool if self.read_pools else gather_kv(pool, self.block_tables, self.max_seq_len))
+            flat = pool.view(-1, H, d)  # [num_blocks * block_size, H, d]: slot s is row s
+            rows = new.transpose(1, 2).reshape(B * T, H, d)
+            if self.padded:
+                rows = rows.index_select(0, self.write_rows)  # padding tokens are not written
+            flat.index_copy_(0, self.write_slots, rows.to(pool.dtype))
+            if self.read_pools:
+                out.append(pool)
+            else:  # the reference paged read, every row's positions 0..S-1 through its block table
+                S = self.max_seq_len
+                out.append(flat.index_select(0, self.read_slots().view(-1)).view(B, S, H, d).transpose(1, 2))
         return out[0], out[1]
+
+    def read_slots(self) -> torch.Tensor:
+        """[B, S] the flat slot of each row's positions 0..S-1 (S = max(seq_lens)): where `update` reads.
+
+        `gather_kv` with the block tables, as slots: block_tables[b, p // block_size] * block_size +
+        p % block_size. Made once per step; every layer reads the same slots.
+        """
+        if self._read_slots is None:
+            bs = self.cache.block_size
+            p = torch.arange(self.max_seq_len, device=self.block_tables.device)
+            self._read_slots = self.block_tables[:, p // bs] * bs + p % bs
+        return self._read_slots
 
     def advance(self, n: int) -> None:
         """The forward wrote every layer: the new tokens join their block tables (and the prefix cache)."""

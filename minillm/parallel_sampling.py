@@ -1,13 +1,14 @@
 """Parallel sampling: n completions of one prompt from one prefill, as `SamplingParams(n, best_of)` asks (chapter 01).
 
-Sampling the same prompt several times need not run the prompt several times. The prompt is
-prefilled once, its KV cache row is copied into a batch of best_of rows, and the rows decode
-together, one batched step per token:
+Sampling the same prompt several times need not run the prompt several times, nor store it several
+times. The prompt is prefilled once into a paged KV cache (chapter 04), forked into best_of
+sequences that share its blocks (copy-on-write: only the partly filled last block is copied, when a
+row first writes to it), and the rows decode together, one batched step per token:
 
-    prompt ─ prefill (1 row) ─► logits ─ fork the cache into best_of rows
+    prompt ─ prefill (1 sequence) ─► logits ─ fork it into best_of sequences sharing the prompt's blocks
     repeat: sample one token per row (row i with its own generator, seeded seed + i)
-            rows that finish (EOS, stop string, max_tokens) leave the batch
-            decode_one_token on the rows still running
+            rows that finish (EOS, stop string, max_tokens) leave the batch and free their blocks
+            one decode step on the rows still running
     rank the best_of completions by cumulative log-probability, return the n best
 
 This is vLLM's `best_of` (in its v0 engine and the OpenAI completions API): best_of sequences are
@@ -23,12 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.beam import default_eos_ids, select_cache_rows
-from minillm.generate import GenerationOutput, StopStringMatcher, decode_one_token, prefill, prepare_prompt
-from minillm.kv_cache import KVCache
+from minillm.beam import default_eos_ids
+from minillm.generate import GenerationOutput, StopStringMatcher, prepare_prompt
 from minillm.model import Transformer
+from minillm.paging import PagedKVCache, blocks_needed, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
+
+BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 
 
 @dataclass
@@ -107,9 +110,14 @@ def generate_n(
         for i in range(best_of)
     ]
 
-    cache = KVCache(model.config, 1, len(ids) + params.max_tokens, device, model.dtype)
-    logits = prefill(model, torch.tensor([ids], device=device), cache)  # [1, V]
-    select_cache_rows(cache, torch.zeros(best_of, dtype=torch.long, device=device))  # one prompt, best_of rows
+    # The prompt's blocks once, and per row its own blocks for max_tokens tokens plus the copy of the
+    # shared, partly filled last prompt block.
+    num_blocks = blocks_needed(len(ids), BLOCK_SIZE) + best_of * (blocks_needed(params.max_tokens, BLOCK_SIZE) + 1)
+    cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype, enable_prefix_caching=False)
+    cache.add_sequence(0)
+    logits = paged_forward(model, cache, [0], [ids])  # [1, V]
+    for i in range(1, best_of):
+        cache.fork(0, i)  # row i shares the prompt's blocks: nothing is copied
     logits = logits.expand(best_of, -1)  # [best_of, V]
     running = list(range(best_of))  # which row each batch position holds
     for step in range(1, params.max_tokens + 1):
@@ -122,14 +130,14 @@ def generate_n(
         for j, r in enumerate(running):
             top = dict(zip(*lp.top_logprobs[j]))
             rows[r].push(int(tokens[j]), float(lp.logprobs[j]), top, now, eos, step == params.max_tokens)
+        for r in running:
+            if rows[r].finish_reason is not None:
+                cache.free(r)  # a finished row leaves the batch and gives its blocks back
         still = [j for j, r in enumerate(running) if rows[r].finish_reason is None]
         if not still:
             break
-        if len(still) < len(running):  # finished rows leave the batch
-            keep = torch.tensor(still, device=device)
-            select_cache_rows(cache, keep)
-            tokens, running = tokens[keep], [running[j] for j in still]
-        logits = decode_one_token(model, tokens[:, None], cache)
+        running = [running[j] for j in still]
+        logits = paged_forward(model, cache, running, [[t] for t in tokens[still].tolist()])
 
     outputs = [_output(i, row, ids, tokenizer, params) for i, row in enumerate(rows)]
     outputs.sort(key=lambda o: -o.cumulative_logprob)  # a stable sort: ties keep the lower index first

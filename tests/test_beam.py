@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import minillm
-from minillm.beam import BeamSearch, beam_search, beam_step, select_cache_rows
+from minillm.beam import BeamSearch, beam_search, beam_step
 from minillm.checkpoints import SHIPPED_MODELS_DIR
-from minillm.kv_cache import KVCache
 
 MODEL = "shakespeare-11m"
 PROMPTS = {
@@ -85,22 +84,22 @@ def test_beam_step_num_candidates():
 
 
 # ------------------------------------------------------------------ the KV cache rows
-def test_select_cache_rows_forks_reorders_and_drops(shipped):
-    """Row i becomes old row rows[i] over the filled slots; the batch size follows len(rows)."""
-    model, _ = shipped
-    cache = KVCache(model.config, 3, 8)
-    for layer in range(model.config.n_layers):
-        cache.k[layer][:, :, :5] = torch.arange(3.0)[:, None, None, None] + layer
-        cache.v[layer][:, :, :5] = -torch.arange(3.0)[:, None, None, None] - layer
-    cache.seq_len = 5
-    select_cache_rows(cache, torch.tensor([2, 0, 0, 1]))
-    for layer in range(model.config.n_layers):
-        assert cache.k[layer].shape[0] == 4, "expected 4 rows after selecting 4"
-        rows_k = cache.k[layer][:, 0, :5, 0]
-        assert torch.equal(rows_k, (torch.tensor([2.0, 0, 0, 1]) + layer)[:, None].expand(4, 5)), (
-            f"layer {layer}: rows must be old rows [2, 0, 0, 1], got {rows_k[:, 0].tolist()}"
-        )
-        assert torch.equal(cache.v[layer][:, 0, :5, 0], -rows_k), "V must be gathered like K"
+def test_beams_share_their_common_blocks_through_the_paged_cache(shipped):
+    """The beams fork the prompt's blocks and each other's: far fewer blocks than a copy per beam, and a
+    finished search leaves exactly the blocks its last beams hold (none leaked)."""
+    model, tok = shipped
+    ids = tok.encode(PROMPTS["citizen"])  # 20 tokens: a full block of 16 and a partial one
+    search = BeamSearch(model, ids, num_beams=4, max_tokens=MAX_TOKENS)
+    allocator, bs = search.cache.allocator, search.cache.block_size
+    copied = 4 * -(-len(ids) // bs)  # a contiguous cache holds the prompt once per beam
+    assert allocator.num_used_blocks == -(-len(ids) // bs), "after the prefill the 4 beams share one prompt"
+    while search.step():
+        used = allocator.num_used_blocks
+        unique = {b for i in search.beam_ids for b in search.cache.block_tables[i].block_ids}
+        assert used == len(unique), f"{used} blocks in use but the beams' tables hold {len(unique)}: a leak"
+        assert used < copied, f"{used} blocks for 4 beams: the prompt's blocks should be shared, not copied"
+        for i in search.beam_ids:  # every table holds a count of the blocks it refers to
+            assert all(allocator.ref_counts[b] >= 1 for b in search.cache.block_tables[i].block_ids)
 
 
 def test_cache_reordering_keeps_each_beam_logits_equal_to_a_fresh_forward(shipped, special_ids):
