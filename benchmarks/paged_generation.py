@@ -27,7 +27,8 @@ from common import write_results
 
 import minillm
 from minillm.kv_cache import KVCache
-from minillm.paging import PagedKVCache, blocks_needed, paged_forward
+from minillm.metrics import kv_blocks
+from minillm.paging import PagedKVCache, paged_forward
 
 PROMPT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\n"
           "FIRST CITIZEN.\nYou are all resolved rather to die than to famish?\n")
@@ -50,7 +51,7 @@ def contiguous_decode(model, prompts: list[list[int]], steps: int) -> tuple[list
 @torch.inference_mode()
 def paged_decode(model, prompts: list[list[int]], steps: int, block_size: int) -> tuple[list[list[int]], float]:  # noqa: ANN001
     """The same on a PagedKVCache; (tokens, seconds per decode step)."""
-    num_blocks = len(prompts) * blocks_needed(len(prompts[0]) + steps + 1, block_size)
+    num_blocks = len(prompts) * kv_blocks(len(prompts[0]) + steps + 1, block_size)
     cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype, enable_prefix_caching=False)
     ids = list(range(len(prompts)))
     for i in ids:

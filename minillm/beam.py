@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from minillm.generate import prepare_prompt
+from minillm.metrics import kv_blocks
 from minillm.model import Transformer
-from minillm.paging import PagedKVCache, blocks_needed, paged_forward
+from minillm.paging import PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -141,8 +142,8 @@ class BeamSearch:
 
         device = model.device
         # The prompt's blocks once; each beam's own blocks for max_tokens tokens plus a copied last prompt block.
-        per_beam = blocks_needed(max_tokens, BLOCK_SIZE) + 1
-        num_blocks = blocks_needed(len(prompt_ids), BLOCK_SIZE) + num_beams * per_beam
+        per_beam = kv_blocks(max_tokens, BLOCK_SIZE) + 1
+        num_blocks = kv_blocks(len(prompt_ids), BLOCK_SIZE) + num_beams * per_beam
         self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype,
                                   enable_prefix_caching=False)
         self._ids = itertools.count()  # a fresh sequence id for every beam ever made

@@ -404,11 +404,6 @@ class PagedKVCache:
                 self.allocator.cache_block(table.block_ids[i], table.block_hashes[-1])
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold num_tokens positions: ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
-
-
 @torch.inference_mode()
 def paged_forward(
     model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]

@@ -26,8 +26,9 @@ import torch
 
 from minillm.beam import default_eos_ids
 from minillm.generate import GenerationOutput, StopStringMatcher, prepare_prompt
+from minillm.metrics import kv_blocks
 from minillm.model import Transformer
-from minillm.paging import PagedKVCache, blocks_needed, paged_forward
+from minillm.paging import PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -112,7 +113,7 @@ def generate_n(
 
     # The prompt's blocks once, and per row its own blocks for max_tokens tokens plus the copy of the
     # shared, partly filled last prompt block.
-    num_blocks = blocks_needed(len(ids), BLOCK_SIZE) + best_of * (blocks_needed(params.max_tokens, BLOCK_SIZE) + 1)
+    num_blocks = kv_blocks(len(ids), BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
     cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype, enable_prefix_caching=False)
     cache.add_sequence(0)
     logits = paged_forward(model, cache, [0], [ids])  # [1, V]
