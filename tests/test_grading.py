@@ -543,3 +543,92 @@ def test_chapter_03_mistakes_get_hints_that_fit_them():
     result = run_task("03.max_batch_gqa", sets_the_callers_config)
     assert not any(r.passed for r in result.results)
     assert all("dataclasses.replace" in r.hint for r in result.results)
+
+
+def test_chapter_04_mistakes_get_hints_that_fit_them():
+    import hashlib
+    import random
+    import struct
+
+    def allocator(pick, count_forks=True, free_at_zero=True, check_held=True, full_when=0):
+        def replay(num_blocks, ops):
+            free, ref, out = list(range(num_blocks)), [0] * num_blocks, []
+            for op in ops:
+                if op == "allocate":
+                    if len(free) <= full_when:
+                        out.append("full")
+                        continue
+                    block = pick(free)
+                    free.remove(block)
+                    ref[block] = 1
+                    out.append(block)
+                    continue
+                kind, block = op
+                if check_held and ref[block] == 0:
+                    out.append("error")
+                elif kind == "fork":
+                    ref[block] += count_forks
+                    out.append(block)
+                else:
+                    ref[block] -= 1
+                    if (ref[block] == 0 or not free_at_zero) and block not in free:
+                        free.append(block)
+                    out.append(None)
+            return out, ref
+        return replay
+
+    rng = random.Random(0)
+    for pick in (lambda f: f[0], lambda f: f[-1], min, rng.choice):  # FIFO, LIFO, lowest id, any: all fine
+        assert run_task("04.block_allocator", allocator(pick)).passed
+    for wrong, words in [(allocator(min, count_forks=False), "fork"), (allocator(min, free_at_zero=False), "fork"),
+                         (allocator(min, check_held=False), "change nothing"),
+                         (allocator(min, full_when=1), "off by one")]:
+        result = run_task("04.block_allocator", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+
+    def slots(f):
+        return lambda table, start, n, bs: [f(table, p, bs) for p in range(start, start + n)]
+
+    for wrong, words in [(slots(lambda t, p, bs: p), "LOGICAL block"), (slots(lambda t, p, bs: t[p // bs] + p % bs),
+                         "multiply the block id by block_size"), (slots(lambda t, p, bs: t[p % bs] * bs + p // bs),
+                                                                   "swapped")]:
+        result = run_task("04.slot_mapping", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert len(failed) >= 4 and all(words in r.hint for r in failed), repr(result)
+
+    def waste(blocks, over_used=False):
+        def kv_waste(lengths, max_len, bs):
+            used, slots = sum(lengths), bs * sum(blocks(n, bs) for n in lengths)
+            return 1 - used / (len(lengths) * max_len), (slots - used) / used if over_used else 1 - used / slots
+        return kv_waste
+
+    for wrong, words in [(waste(lambda n, bs: n // bs), "round the blocks up"),
+                         (waste(lambda n, bs: n // bs + 1), "multiple of block_size"),
+                         (waste(lambda n, bs: -(-n // bs), over_used=True), "not (allocated - used) / used")]:
+        result = run_task("04.kv_waste", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+    by_name = {r.name: r for r in run_task("04.kv_waste", waste(lambda n, bs: n // bs + 1)).results}
+    assert not by_name["lengths on a block boundary (16, 32, 160) fill their last block: paged waste 0"].passed
+
+    def hashes(parent_bytes, full_only=True):
+        def prefix_hashes(ids, bs):
+            out, parent = [], None
+            for start in range(0, len(ids) - (bs - 1 if full_only else 0), bs):
+                block = ids[start:start + bs]
+                h = hashlib.sha256((parent_bytes(parent) if parent else b"") + struct.pack(f"<{len(block)}q", *block))
+                out.append(h.hexdigest())
+                parent = h
+            return out
+        return prefix_hashes
+
+    for wrong, words in [(hashes(lambda h: b""), "chain the blocks"), (hashes(lambda h: h.hexdigest().encode()),
+                         "32 digest bytes"), (hashes(lambda h: h.digest(), full_only=False), "partial last block")]:
+        result = run_task("04.prefix_hashes", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+    assert run_task("04.prefix_hashes", hashes(lambda h: h.digest())).passed
+    python_hash = lambda ids, bs: [hash(tuple(ids[i:i + bs])) for i in range(0, len(ids) - bs + 1, bs)]  # noqa: E731
+    result = run_task("04.prefix_hashes", python_hash)
+    assert not any(r.passed for r in result.results) and all("hash()" in r.hint for r in result.results)
