@@ -161,6 +161,40 @@ class StopStringMatcher:
         return out
 
 
+class CompletionState:
+    """One completion being generated: its tokens, text, log-probabilities and times so far, and why it
+    ended (`generate_n`'s rows, the engine's requests). `push` applies `generate`'s stopping rules:
+    EOS, a stop string (cut from the text), or the last allowed token."""
+
+    def __init__(self, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.stops = StopStringMatcher(params.stop)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.times: list[float] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def push(self, token_id: int, logprob: float, top: dict[int, float], time_s: float, eos: set[int],
+             last: bool) -> None:
+        """Add one sampled token; set `finish_reason` if it ends the row (the rules of `generate`)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.times.append(time_s)
+        stopped = False
+        if self.decoder is not None:
+            text, stopped = self.stops.feed(self.decoder.push(token_id))
+            self.text += text
+        if stopped or token_id in eos:
+            self.finish_reason = "stop"
+        elif last:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not stopped:
+            self.text += self.stops.flush()
+
+
 def generate_stream(
     model: Transformer,
     prompt: str | list[int],

@@ -351,6 +351,41 @@ class PagedKVCache:
                 gather_kv(self.v[layer], blocks, table.num_tokens)[0])
 
     # ---------------------------------------------------------------- one forward
+    def blocks_needed(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> int:
+        """Blocks the pool must supply for num_new_tokens[i] more tokens of each seq_ids[i]: new blocks,
+        plus one private copy where a sequence's partly filled last block is shared (copy-on-write; of
+        the holders writing in one step, the last keeps the original)."""
+        bs, allocator = self.block_size, self.allocator
+        needed, copies_planned = 0, Counter()
+        for seq_id, n in zip(seq_ids, num_new_tokens):
+            table = self._table(seq_id)
+            if table.num_tokens % bs and n > 0:
+                last = table.block_ids[table.num_tokens // bs]
+                if allocator.ref_counts[last] - copies_planned[last] > 1:
+                    needed, copies_planned[last] = needed + 1, copies_planned[last] + 1
+            needed += max(0, -(-(table.num_tokens + n) // bs) - len(table.block_ids))
+        return needed
+
+    def allocate_slots(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> None:
+        """Give each seq_ids[i] the blocks for num_new_tokens[i] more tokens, copying a shared partly filled
+        last block first (copy-on-write). All or nothing: raises `NoFreeBlocksError`, changing nothing, if
+        the pool cannot supply them. The scheduler (chapter 05) calls it request by request as it fills a
+        step; `prepare` calls it too, and finds nothing left to do for blocks already allocated."""
+        needed = self.blocks_needed(seq_ids, num_new_tokens)
+        if not self.allocator.can_allocate(needed):
+            raise NoFreeBlocksError(needed, self.allocator.num_free_blocks, self.allocator.num_blocks)
+        bs, allocator = self.block_size, self.allocator
+        for seq_id, n in zip(seq_ids, num_new_tokens):
+            table = self._table(seq_id)
+            if table.num_tokens % bs and n > 0:  # the first new token goes into a partly filled block: ours alone?
+                i = table.num_tokens // bs
+                block = allocator.copy_on_write(table.block_ids[i])
+                if block != table.block_ids[i]:
+                    self.copy_block(table.block_ids[i], block)
+                    table.block_ids[i] = block
+            while len(table.block_ids) * bs < table.num_tokens + n:
+                table.block_ids.append(allocator.allocate())
+
     def prepare(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> PagedCacheView:
         """Make room for token_ids[i] after what seq_ids[i] holds, and return the view the model runs on.
 
@@ -365,30 +400,8 @@ class PagedKVCache:
             raise ValueError(f"a sequence appears twice in one step: {list(seq_ids)}.")
         if any(len(new) == 0 for new in token_ids):
             raise ValueError("every sequence in a step needs at least one new token.")
+        self.allocate_slots(seq_ids, [len(new) for new in token_ids])
         tables = [self._table(s) for s in seq_ids]
-        bs, allocator = self.block_size, self.allocator
-
-        # Count first: each sequence needs blocks for its new tokens, plus one private copy if its
-        # partly filled last block is shared (the last holder to write keeps the original).
-        needed, copies_planned = 0, Counter()
-        for table, new in zip(tables, token_ids):
-            if table.num_tokens % bs:
-                last = table.block_ids[table.num_tokens // bs]
-                if allocator.ref_counts[last] - copies_planned[last] > 1:
-                    needed, copies_planned[last] = needed + 1, copies_planned[last] + 1
-            needed += max(0, -(-(table.num_tokens + len(new)) // bs) - len(table.block_ids))
-        if not allocator.can_allocate(needed):
-            raise NoFreeBlocksError(needed, allocator.num_free_blocks, allocator.num_blocks)
-
-        for table, new in zip(tables, token_ids):
-            if table.num_tokens % bs:  # the first new token goes into a partly filled block: is it ours alone?
-                i = table.num_tokens // bs
-                block = allocator.copy_on_write(table.block_ids[i])
-                if block != table.block_ids[i]:
-                    self.copy_block(table.block_ids[i], block)
-                    table.block_ids[i] = block
-            while len(table.block_ids) * bs < table.num_tokens + len(new):
-                table.block_ids.append(allocator.allocate())
         return PagedCacheView(self, list(seq_ids), tables, [[int(t) for t in new] for new in token_ids])
 
     def commit(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> None:

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from minillm.beam import default_eos_ids
-from minillm.generate import GenerationOutput, StopStringMatcher, prepare_prompt
+from minillm.generate import CompletionState, GenerationOutput, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.paging import PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
-from minillm.tokenizer import IncrementalDecoder, Tokenizer
+from minillm.tokenizer import Tokenizer
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 
@@ -44,38 +44,6 @@ class CompletionOutput(GenerationOutput):
 
     index: int = 0  # the row that generated it; row i samples with seed + i
     cumulative_logprob: float = 0.0  # the sum of `logprobs`
-
-
-class _Row:
-    """One completion being generated: its tokens, text and log-probabilities so far."""
-
-    def __init__(self, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, prompt_ids) if tokenizer is not None else None
-        self.stops = StopStringMatcher(params.stop)
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[dict[int, float]] = []
-        self.times: list[float] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-
-    def push(self, token_id: int, logprob: float, top: dict[int, float], time_s: float, eos: set[int],
-             last: bool) -> None:
-        """Add one sampled token; set `finish_reason` if it ends the row (the rules of `generate`)."""
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
-        self.top_logprobs.append(top)
-        self.times.append(time_s)
-        stopped = False
-        if self.decoder is not None:
-            text, stopped = self.stops.feed(self.decoder.push(token_id))
-            self.text += text
-        if stopped or token_id in eos:
-            self.finish_reason = "stop"
-        elif last:
-            self.finish_reason = "length"
-        if self.finish_reason is not None and not stopped:
-            self.text += self.stops.flush()
 
 
 def generate_n(
@@ -105,7 +73,7 @@ def generate_n(
     best_of = params.best_of or params.n
     device = model.device
     eos = set() if params.ignore_eos else default_eos_ids(model, tokenizer)
-    rows = [_Row(ids, tokenizer, params) for _ in range(best_of)]
+    rows = [CompletionState(ids, tokenizer, params) for _ in range(best_of)]
     generators = [
         torch.Generator(device=device).manual_seed(params.seed + i) if params.seed is not None else None
         for i in range(best_of)
@@ -146,7 +114,7 @@ def generate_n(
 
 
 def _output(
-    index: int, row: _Row, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams
+    index: int, row: CompletionState, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams
 ) -> CompletionOutput:
     """A finished row as a `CompletionOutput`."""
     return CompletionOutput(
