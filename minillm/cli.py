@@ -82,6 +82,17 @@ def cmd_book_exercises(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minillm.server import serve
+
+    model_name = args.model or default_model()
+    if model_name is None:
+        raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
+    serve(model_name, args.host, args.port, args.max_queue, device=args.device, num_blocks=args.num_blocks,
+          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description="minillm: a small, readable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -95,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         description="Serve a model over an OpenAI-compatible HTTP API (chapter 05): "
+                                     "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    srv.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    srv.add_argument("--num-blocks", type=int, default=None,
+                     help="KV-cache blocks (default: max-num-seqs full contexts)")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one forward (default 64)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
+    srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
+    srv.set_defaults(func=cmd_serve)
 
     from minillm.grading.drills import add_drill_command
     from minillm.grading.grade import add_grade_command

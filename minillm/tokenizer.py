@@ -19,6 +19,7 @@ class Tokenizer:
         self._tok = tok
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(eos_token_ids or [])
+        self.chat_template: str | None = None  # the Jinja chat template of tokenizer_config.json, if the model has one
 
     @classmethod
     def from_file(

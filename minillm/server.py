@@ -1,0 +1,357 @@
+"""An OpenAI-compatible HTTP server over the engine (chapter 05): `minillm serve`.
+
+The server is a FastAPI app (served by uvicorn, what vLLM and most Python servers use) around one
+`LLMEngine`. One background task steps the engine whenever it has requests; each HTTP request adds
+its request to the engine and waits on its own queue for the outputs the steps produce:
+
+    POST /v1/completions ─┐                        ┌─ engine.step() ─ outputs ─► each request's queue
+    POST /v1/chat/...    ─┴► engine.add_request ──►│  (one forward for every running request)
+                                                   └─ repeat while any request is unfinished
+
+A step runs in the event loop itself, between the handlers' turns, so the engine is only ever touched
+by one coroutine at a time (no locks); with minillm's small models a step takes milliseconds. The
+endpoints and their shapes follow OpenAI's API, so the official `openai` client and any load tester
+that speaks it work unchanged:
+
+    GET  /health                 200 "ok" while the engine loop runs
+    GET  /v1/models              the one model served
+    POST /v1/completions         text completion; "stream": true sends server-sent events
+    POST /v1/chat/completions    chat: the tokenizer's chat template if it has one, else CHAT_TEMPLATE
+    GET  /metrics                Prometheus text: queue lengths, KV blocks, tokens, TTFT and ITL histograms
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
+JSON or fields (400), an unknown model (404), a prompt longer than the context (400), a full queue
+(429). A client that disconnects aborts its request, and the request's KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from minillm.engine import LLMEngine, RequestOutput
+from minillm.sampling import SamplingParams
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from pydantic import BaseModel, Field
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("minillm.server needs FastAPI and uvicorn: pip install 'minillm-book[serve]'") from exc
+
+# The chat template for models whose tokenizer has none (the shipped Shakespeare models): each message
+# as a speaker's turn in a play, which is the only dialogue these models have read. The roles become
+# the speakers' names, and the prompt ends with the assistant's name, for the model to continue.
+CHAT_TEMPLATE = "{ROLE}.\n{content}\n\n"  # per message; then "ASSISTANT.\n"
+
+
+def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    """The prompt for a chat: the model's own chat template (Jinja, from its tokenizer_config.json) if it has
+    one, rendered as transformers does with add_generation_prompt, else CHAT_TEMPLATE."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",
+                                                eos_token="")
+    text = "".join(CHAT_TEMPLATE.format(ROLE=m["role"].upper(), content=m["content"]) for m in messages)
+    return text + "ASSISTANT.\n"
+
+
+# ---------------------------------------------------------------------- request bodies
+class _Sampling(BaseModel):
+    """The sampling fields both endpoints take (OpenAI's names; top_k, min_p, repetition_penalty and
+    ignore_eos are vLLM's extensions)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one completion per request")
+    stream: bool = False
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, stop=stop,
+            seed=self.seed, ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class APIError(Exception):
+    """An error the client caused, returned as OpenAI's error object with `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# ---------------------------------------------------------------------- metrics
+class Metrics:
+    """The server's Prometheus metrics, in their own registry (so several servers in one process do not clash)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.waiting = Gauge("minillm_requests_waiting", "Requests in the waiting queue.", registry=r)
+        self.running = Gauge("minillm_requests_running", "Requests in the running batch.", registry=r)
+        self.blocks_used = Gauge("minillm_kv_blocks_used", "KV-cache blocks held by requests.", registry=r)
+        self.blocks_total = Gauge("minillm_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
+        self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens received.", registry=r)
+        self.generation_tokens = Counter("minillm_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("minillm_requests_finished", "Requests finished, by reason.", ["reason"],
+                                registry=r)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("minillm_time_to_first_token_seconds", "Time to first token.", buckets=buckets,
+                              registry=r)
+        self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between tokens of a request.",
+                             buckets=buckets, registry=r)
+        self.blocks_total.set(engine.cache.allocator.num_blocks)
+        self.engine = engine
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record one step's output of one request."""
+        self.generation_tokens.inc(len(out.new_token_ids))
+        times = out.token_times_s
+        if len(times) == 1:
+            self.ttft.observe(times[0])
+        elif len(times) > 1:
+            self.itl.observe(times[-1] - times[-2])
+        if out.finished:
+            self.finished.labels(out.finish_reason).inc()
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        scheduler, allocator = self.engine.scheduler, self.engine.cache.allocator
+        self.waiting.set(len(scheduler.waiting))
+        self.running.set(len(scheduler.running))
+        self.blocks_used.set(allocator.num_used_blocks)
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------- the engine loop
+@dataclass
+class _Waiter:
+    queue: asyncio.Queue
+    done: bool = False
+
+
+class AsyncEngine:
+    """Steps the engine in the background while any request is unfinished; routes outputs to their waiters."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int) -> None:
+        self.engine, self.max_queue = engine, max_queue
+        self.metrics = Metrics(engine)
+        self.waiters: dict[str, _Waiter] = {}
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    async def loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            for out in self.engine.step():
+                self.metrics.observe(out)
+                waiter = self.waiters.get(out.request_id)
+                if waiter is not None:
+                    waiter.queue.put_nowait(out)
+            await asyncio.sleep(0)  # let the handlers run: read new requests, send what was produced
+
+    def add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, _Waiter]:
+        if self.engine.num_unfinished_requests >= self.max_queue:
+            raise APIError(429, f"the server already holds {self.max_queue} unfinished requests (its queue limit); "
+                                "retry later.", "rate_limit_exceeded", code="queue_full")
+        request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
+        waiter = self.waiters[request_id] = _Waiter(asyncio.Queue())
+        self.metrics.prompt_tokens.inc(len(self.engine.scheduler.requests[request_id].prompt_token_ids))
+        self.wakeup.set()
+        return request_id, waiter
+
+    def release(self, request_id: str) -> None:
+        """The handler is done with this request: abort it if unfinished (a client went away)."""
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done:
+            self.engine.abort_request(request_id)
+            self.metrics.finished.labels("abort").inc()
+
+    async def outputs(self, request_id: str, waiter: _Waiter, http: Request) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine makes them, until finished; aborts if the client disconnects."""
+        while True:
+            try:
+                out = await asyncio.wait_for(waiter.queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                out = None
+            if await http.is_disconnected():  # checked at every token, and at least every 0.25 s
+                return
+            if out is None:
+                continue
+            if out.finished:
+                waiter.done = True
+            yield out
+            if out.finished:
+                return
+
+
+# ---------------------------------------------------------------------- the app
+def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16) -> FastAPI:
+    """The FastAPI app serving `engine` as `model_name` (see the module docstring)."""
+    state = AsyncEngine(engine, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.task = asyncio.create_task(state.loop())  # the engine loop runs as long as the server
+        yield
+        state.task.cancel()
+
+    app = FastAPI(title="minillm", description="An OpenAI-compatible server over minillm's engine (chapter 05).",
+                  lifespan=lifespan)
+    app.state.engine = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return APIError(400, "the request body is not valid JSON.", code="invalid_json").response()
+        return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where,
+                        code="invalid_value").response()
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves {model_name!r} "
+                                "(see GET /v1/models).", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        alive = state.task is not None and not state.task.done()
+        return PlainTextResponse("ok" if alive else "engine loop stopped", status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
+                                            "max_model_len": engine.model.config.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
+        check_model(body.model)
+        params = body.params(default_max_tokens)
+        request_id, waiter = state.add(prompt, params)
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        n_prompt = len(engine.scheduler.requests[request_id].prompt_token_ids)
+
+        def usage(out: RequestOutput) -> dict:
+            return {"prompt_tokens": n_prompt, "completion_tokens": len(out.token_ids),
+                    "total_tokens": n_prompt + len(out.token_ids)}
+
+        if not body.stream:
+            try:
+                last = None
+                async for out in state.outputs(request_id, waiter, http):
+                    last = out
+            finally:
+                state.release(request_id)
+            if last is None or not last.finished:
+                return JSONResponse({}, status_code=499)  # the client went away: nobody reads this
+            choice = ({"index": 0, "message": {"role": "assistant", "content": last.text}} if chat
+                      else {"index": 0, "text": last.text, "logprobs": None})
+            return {"id": request_id, "object": kind, "created": created, "model": model_name,
+                    "choices": [choice | {"finish_reason": last.finish_reason}], "usage": usage(last)}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:  # the first chunk names the role, as OpenAI's does
+                    yield _sse(request_id, kind + ".chunk", created, model_name,
+                               {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                async for out in state.outputs(request_id, waiter, http):
+                    if out.new_text or out.finished:
+                        choice = ({"index": 0, "delta": {"content": out.new_text}} if chat
+                                  else {"index": 0, "text": out.new_text, "logprobs": None})
+                        yield _sse(request_id, kind + (".chunk" if chat else ""), created, model_name,
+                                   choice | {"finish_reason": out.finish_reason if out.finished else None})
+                yield "data: [DONE]\n\n"
+            finally:  # also when the client disconnects mid-stream (the generator is closed)
+                state.release(request_id)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request) -> Any:
+        return await run(body, body.prompt, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
+        prompt = apply_chat_template([m.model_dump() for m in body.messages], engine.tokenizer)
+        return await run(body, prompt, http, chat=True)
+
+    return app
+
+
+def _sse(request_id: str, kind: str, created: int, model: str, choice: dict) -> str:
+    """One server-sent event carrying one chunk."""
+    chunk = {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
+          device: str = "cpu", **engine_kwargs: Any) -> None:
+    """Load `model` (a shipped name or a folder) and serve it until interrupted (`minillm serve`)."""
+    import uvicorn
+
+    from minillm import load
+
+    llm, tokenizer = load(model, device=device)
+    name = str(model).rstrip("/").split("/")[-1]
+    app = create_app(LLMEngine(llm, tokenizer, **engine_kwargs), name, max_queue)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,193 @@
+"""minillm.server (chapter 05): the OpenAI-compatible server, called with the official `openai` client.
+
+The server runs in a thread on a free port of 127.0.0.1 for this module and is stopped at its end.
+Its outputs are compared with `LLM.generate` on the same model (greedy, so exactly), streaming and
+not; 32 concurrent streaming clients, a third of which hang up mid-stream, must leave every surviving
+request complete and correct, no KV block held, and the server answering; bad requests get OpenAI's
+error object with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests call it with the official openai client")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import minillm  # noqa: E402
+from minillm.engine import LLM, LLMEngine  # noqa: E402
+from minillm.sampling import SamplingParams  # noqa: E402
+from minillm.server import apply_chat_template, create_app  # noqa: E402
+
+MODEL = "shakespeare-1m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tok = minillm.load(MODEL)
+    engine = LLMEngine(model, tok, max_num_seqs=16, max_num_batched_tokens=128)
+    app = create_app(engine, MODEL, max_queue=64)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started, "the server did not start"
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield SimpleNamespace(url=url, engine=engine, client=client, offline=LLM(model, tok), tok=tok)
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def offline(server, prompt: str, max_tokens: int) -> str:
+    """What LLM.generate gives for this prompt, greedy."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return server.offline.generate([prompt], params, use_tqdm=False)[0]
+
+
+def wait_idle(engine: LLMEngine, seconds: float = 20) -> None:
+    deadline = time.time() + seconds
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def abort_count(url: str) -> float:
+    """minillm_requests_finished_total{reason="abort"} from /metrics (0 before any abort)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('minillm_requests_finished_total{reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_completion_equals_llm_generate_streaming_or_not(server):
+    prompt = "ROMEO.\nBut soft, what light"
+    want = offline(server, prompt, 24)
+    got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids) and got.usage.completion_tokens == len(want.token_ids)
+    stream = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_chat_uses_the_documented_template_and_streams(server):
+    messages = [{"role": "system", "content": "You speak in verse."}, {"role": "user", "content": "Who goes there?"}]
+    want = offline(server, apply_chat_template(messages, server.tok), 20)
+    got = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    stream = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                   stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == want.text
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").text == "ok"
+    server.client.completions.create(model=MODEL, prompt="KING.\n", max_tokens=5, temperature=0)
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("minillm_requests_waiting", "minillm_requests_running", "minillm_kv_blocks_used",
+                 "minillm_kv_blocks_total", "minillm_generation_tokens_total", "minillm_time_to_first_token_seconds",
+                 "minillm_inter_token_latency_seconds_bucket"):
+        assert name in metrics, f"/metrics has no {name}"
+
+
+def test_32_streaming_clients_a_third_hanging_up(server):
+    """Every client that stays gets exactly LLM.generate's text; the ones that hang up are aborted: afterwards
+    no KV block is held and the server still answers."""
+    prompts = [f"{name}.\n" for name in ["ROMEO", "JULIET", "HAMLET", "OTHELLO", "MACBETH", "LEAR", "PUCK", "PORTIA"]]
+    prompts = [p + "I" * (i // len(prompts)) for i, p in enumerate(prompts * 4)]  # 32 different prompts
+    want = server.offline.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                   use_tqdm=False)
+
+    def client(i: int) -> str | None:
+        stream = server.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=40, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})  # vLLM's extension
+        text = ""
+        for k, chunk in enumerate(stream):
+            text += chunk.choices[0].text
+            if i % 3 == 0 and k == 3:  # a third of the clients hang up after a few tokens
+                stream.close()
+                return None
+        return text
+
+    aborted_before = abort_count(server.url)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(client, range(32)))
+    for i, text in enumerate(got):
+        if i % 3:
+            assert text == want[i].text, f"client {i} got {text!r}, LLM.generate gives {want[i].text!r}"
+    wait_idle(server.engine)
+    aborted = abort_count(server.url) - aborted_before
+    print(f"aborted: {aborted}")
+    assert aborted == 11, f"11 clients hung up mid-stream, but {aborted} requests were aborted"
+    assert not server.engine.has_unfinished_requests(), "aborted requests are still in the engine"
+    assert server.engine.cache.allocator.num_used_blocks == 0, "KV blocks are still held after every client left"
+    assert httpx.get(server.url + "/health").text == "ok"
+    again = server.client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert again.choices[0].text == want[1].text
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ("{not json", 400, "invalid_json"),
+    ({"model": MODEL, "prompt": "A", "max_tokens": "many"}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "A", "max_tokens": -3}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": 42}, 400, "invalid_value"),
+    ({"model": "gpt-4", "prompt": "A"}, 404, "model_not_found"),
+    ({"model": MODEL, "prompt": "A " * 5000}, 400, "invalid_prompt"),
+    ({"model": MODEL, "prompt": "A", "n": 3}, 400, "invalid_value"),
+])
+def test_bad_requests_get_the_openai_error_shape_and_a_4xx(server, body, status, code):
+    if isinstance(body, str):
+        response = httpx.post(server.url + "/v1/completions", content=body,
+                              headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert httpx.get(server.url + "/health").text == "ok"
+
+
+def test_minillm_serve_command_starts_a_server_on_loopback():
+    """`minillm serve` in its own process: it answers /health and /v1/models on 127.0.0.1, then stops on SIGTERM."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", MODEL, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).text == "ok":
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("minillm serve did not answer /health within 30 s")
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    assert "127.0.0.1" in out, out
