@@ -121,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.set_defaults(func=cmd_serve)
 
+    from minillm.bench import add_bench_command
     from minillm.grading.drills import add_drill_command
     from minillm.grading.grade import add_grade_command
 
     add_grade_command(sub)
     add_drill_command(sub)
+    add_bench_command(sub)
 
     book = sub.add_parser("book", help="maintain the book (exercise notebooks)", description="Maintain the book.")
     book_sub = book.add_subparsers(dest="book_command", metavar="ACTION")

@@ -191,3 +191,46 @@ def test_minillm_serve_command_starts_a_server_on_loopback():
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert "127.0.0.1" in out, out
+
+
+# ---------------------------------------------------------------------- the load generator (minillm.bench)
+def test_percentiles_by_nearest_rank():
+    from minillm.bench import percentiles
+
+    got = percentiles([float(x) for x in range(1, 101)])
+    assert (got["p50"], got["p90"], got["p99"], got["mean"]) == (50.0, 90.0, 99.0, 50.5)
+
+
+def test_online_bench_against_the_live_server(server):
+    """A bounded Poisson run on loopback: every request completes with exactly its max_tokens streamed, the
+    latencies are ordered and the goodput is at most the throughput."""
+    from minillm.bench import make_requests, online
+
+    requests = make_requests(8, (4, 20), (3, 12), server.tok, seed=1)
+    result = online(server.url, MODEL, requests, rate=40.0, max_seconds=60, slo_ttft=10.0, slo_tpot=1.0,
+                    use_tqdm=False)
+    assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
+    assert [r["output_tokens"] for r in result["per_request"]] == [n for _, n in requests], (
+        "each request streams exactly max_tokens tokens (ignore_eos)")
+    assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] < 60
+    assert result["goodput_requests_per_s"] <= result["requests_per_s"]
+    strict = online(server.url, MODEL, requests[:2], rate=float("inf"), max_seconds=60, slo_ttft=1e-9,
+                    use_tqdm=False)
+    assert strict["completed"] == 2 and strict["goodput_requests_per_s"] == 0, "no request meets a 1 ns TTFT"
+
+
+def test_online_bench_reports_a_server_that_refuses(server):
+    from minillm.bench import make_requests, online
+
+    result = online(server.url, "no-such-model", make_requests(2, (4, 8), (2, 4), server.tok), rate=float("inf"),
+                    max_seconds=30, use_tqdm=False)
+    assert result["completed"] == 0 and result["failed"] == 2 and "HTTP 404" in result["errors"][0]
+
+
+def test_offline_bench_counts_every_token(server):
+    from minillm.bench import make_requests, offline
+
+    requests = make_requests(6, (4, 30), (2, 10), server.tok, seed=2)
+    result = offline(server.offline, requests, use_tqdm=False)
+    assert result["output_tokens"] == sum(n for _, n in requests)
+    assert result["prompt_tokens"] == sum(len(p) for p, _ in requests) and result["output_tokens_per_s"] > 0
