@@ -1,0 +1,173 @@
+"""Offline throughput of minillm's engine against `transformers` generate on the same requests (chapter 05).
+
+The model: Llama-3.2-1B's shape (16 layers, 2048 wide, 32 query / 8 KV heads, vocabulary 128,256,
+tied embeddings) with random bf16 weights, the same weights in both engines (minillm converts the
+`transformers` model). The requests: 256, prompt and output lengths each uniform in 100..1024
+(seeded), random prompt ids, greedy, every request generating exactly its output length.
+
+Compared, on those requests:
+- `minillm`: `LLM.generate` on all 256 at once: continuous batching on the paged cache (max_num_seqs
+  256, a token budget of 8,192 per step, chunked prefill), eager PyTorch with minillm's Triton kernels;
+- `transformers, batch B`: `generate` on the requests in arrival order, B at a time, left-padded,
+  each batch running until its longest output is done (static batching; `min_new_tokens` = that
+  length, so EOS cannot end it early); only the requested tokens count as output;
+- `transformers, batch 1`: one request at a time, timed on the first `--hf-single` requests and
+  extrapolated to all 256 by their share of output tokens (running all would take most of an hour).
+
+Throughput is requested output tokens per second of wall time. The roofline: for every engine step,
+the `minillm.metrics` roofline time of its prefill tokens and of a decode step of its running
+requests at their mean context, on the datasheet H100 SXM; their sum against the measured time.
+
+    python benchmarks/engine_throughput.py        # writes results/engine_throughput_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+from common import write_results
+
+import minillm
+from minillm import metrics
+from minillm.engine import LLM
+from minillm.sampling import SamplingParams
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
+
+
+def run_minillm(model, requests, max_num_seqs: int, budget: int) -> dict:  # noqa: ANN001
+    longest = max(len(p) + n for p, n in requests)
+    llm = LLM(model, None, num_blocks=max_num_seqs * metrics.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=budget)
+    engine = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    ids = [engine.add_request(None, p, sp) for (p, _), sp in zip(requests, params)]
+    steps, outputs = [], {}
+    sync()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        plan = engine.last_step
+        contexts = [r.num_computed_tokens for r, _ in plan.scheduled]
+        steps.append({"prefill_tokens": plan.num_prefill_tokens, "decode_tokens": plan.num_decode_tokens,
+                      "mean_context": statistics.fmean(contexts) if contexts else 0})
+    sync()
+    seconds = time.perf_counter() - start
+    n_out = sum(len(outputs[i].token_ids) for i in ids)
+    assert n_out == sum(n for _, n in requests), "every request must generate exactly its output length"
+    return {"seconds": seconds, "output_tokens": n_out, "output_tokens_per_s": n_out / seconds, "steps": steps,
+            "first_tokens": [outputs[i].token_ids[:8] for i in ids[:4]]}
+
+
+def roofline_seconds(config, steps: list[dict]) -> float:  # noqa: ANN001
+    total = 0.0
+    for s in steps:
+        if s["prefill_tokens"]:
+            total += metrics.prefill_time(config, "h100-sxm", s["prefill_tokens"]).time_s
+        if s["decode_tokens"]:
+            total += metrics.decode_step_time(config, "h100-sxm", max(1, int(s["mean_context"])),
+                                              s["decode_tokens"]).time_s
+    return total
+
+
+def run_hf(hf, requests, batch: int) -> dict:  # noqa: ANN001
+    start = time.perf_counter()
+    first = []
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch):
+            chunk = requests[i: i + batch]
+            width, longest = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long, device=hf.device)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(chunk):  # left padding
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                              min_new_tokens=longest, pad_token_id=0)
+            if i == 0:
+                first = [out[row, width: width + 8].tolist() for row in range(min(4, len(chunk)))]
+    sync()
+    seconds = time.perf_counter() - start
+    n_out = sum(n for _, n in requests)
+    return {"seconds": seconds, "output_tokens": n_out, "output_tokens_per_s": n_out / seconds, "first_tokens": first}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--hf-batches", type=int, nargs="+", default=[64])
+    parser.add_argument("--hf-single", type=int, default=4, help="requests timed at batch 1 (then extrapolated)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/engine_throughput.py needs a CUDA GPU.")
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).to("cuda", torch.bfloat16).eval()
+    model = minillm.from_transformers(hf)
+    requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
+    run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
+    ours = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
+    roof = roofline_seconds(model.config, ours["steps"])
+    print(f"minillm: {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.1f} s, {len(ours['steps'])} "
+          f"steps); roofline {roof:.1f} s = {roof / ours['seconds']:.0%} of the measured time", flush=True)
+    hf_rows = {}
+    for b in args.hf_batches:
+        hf_rows[f"batch_{b}"] = run_hf(hf, requests, b)
+        print(f"transformers batch {b}: {hf_rows[f'batch_{b}']['output_tokens_per_s']:.0f} output tok/s "
+              f"({hf_rows[f'batch_{b}']['seconds']:.1f} s)", flush=True)
+    single = run_hf(hf, requests[: args.hf_single], 1)
+    share = sum(n for _, n in requests[: args.hf_single]) / sum(n for _, n in requests)
+    single["extrapolated_seconds_for_all"] = single["seconds"] / share
+    single["output_tokens_per_s"] = single["output_tokens"] / single["seconds"]
+    hf_rows["batch_1"] = single
+    print(f"transformers batch 1: {single['output_tokens_per_s']:.0f} output tok/s (on {args.hf_single} requests)")
+    ours["steps_summary"] = {"steps": len(ours["steps"]),
+                             "mean_decode_batch": statistics.fmean(s["decode_tokens"] for s in ours["steps"])}
+    steps = ours.pop("steps")
+    path = write_results("engine_throughput_cuda", {
+        "benchmark": "offline throughput: minillm LLM.generate (continuous batching, paged cache) vs transformers "
+                     "generate (static batches, left-padded), Llama-3.2-1B shape, random bf16 weights",
+        "settings": vars(args),
+        "requests": {"count": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
+                     "output_tokens": sum(n for _, n in requests)},
+        "minillm": ours,
+        "roofline_seconds": roof,
+        "minillm_fraction_of_roofline": roof / ours["seconds"],
+        "transformers": hf_rows,
+        "speedup": {k: ours["output_tokens_per_s"] / v["output_tokens_per_s"] for k, v in hf_rows.items()},
+        "step_trace_sample": steps[:: max(1, len(steps) // 200)],
+    })
+    print("\nmodel Llama-3.2-1B shape, bf16; output tokens/s and minillm's speed-up")
+    print(f"  minillm (continuous batching)   {ours['output_tokens_per_s']:8.0f}")
+    for k, v in hf_rows.items():
+        speedup = ours["output_tokens_per_s"] / v["output_tokens_per_s"]
+        print(f"  transformers {k:<18} {v['output_tokens_per_s']:8.0f}   minillm {speedup:.1f}x")
+    print(f"  roofline share of minillm's time: {roof / ours['seconds']:.0%}")
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
