@@ -16,8 +16,9 @@ chapter 04), samples one token for every request whose prompt is complete, each 
 batch inference, with a progress bar). Names follow vLLM: `LLMEngine.add_request / step /
 abort_request / has_unfinished_requests`, `LLM.generate`, `SamplingParams`, `RequestOutput`.
 
-What is not here yet: n > 1 completions per request (use `minillm.generate_n`), beam search
-(`minillm.beam`), and constrained decoding; they keep their own loops for now.
+`minillm.generate` (one request) runs on this engine. Not here yet: n > 1 completions per request
+(`minillm.generate_n` forks a paged cache itself), beam search (`minillm.beam`, the same) and
+constrained decoding, which keep their own loops for now.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     token_times_s: list[float] = field(repr=False, default_factory=list)
     logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
+    top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
     num_preemptions: int = 0
 
     @property
@@ -194,6 +196,7 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             token_times_s=list(completion.times),
             logprobs=list(completion.logprobs) if request.params.logprobs is not None else None,
+            top_logprobs=list(completion.top_logprobs) if request.params.logprobs is not None else None,
             num_preemptions=request.num_preemptions,
         )
 

@@ -217,7 +217,15 @@ def _stream(
     model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
     use_cache: bool, start: float,
 ) -> Iterator[StreamChunk]:
-    """The loop itself, on prompt ids `prepare_prompt` already checked; times count from `start`."""
+    """The loop, on prompt ids `prepare_prompt` already checked; times count from `start`.
+
+    With the cache, this is the engine's loop (chapter 05) serving one request: a paged KV cache of
+    just the blocks this request needs, the whole prompt prefilled in one step, then one decode step
+    per token. Without, the reference loop below recomputes the whole sequence every step.
+    """
+    if use_cache:
+        yield from _stream_on_engine(model, ids, params, tokenizer, start)
+        return
     device = model.device
     generator = None
     if params.seed is not None:
@@ -228,21 +236,13 @@ def _stream(
     decoder = IncrementalDecoder(tokenizer, ids) if tokenizer is not None else None
     stops = StopStringMatcher(params.stop)
 
-    prompt_tensor = torch.tensor([ids], device=device)
-    if use_cache:
-        cache = KVCache(model.config, 1, len(ids) + params.max_tokens, device, model.dtype)
-        logits = prefill(model, prompt_tensor, cache)
+    sequence = torch.tensor([ids], device=device)
+    logits = prefill(model, sequence, None)
 
-        def step(tok: torch.Tensor) -> torch.Tensor:
-            return decode_one_token(model, tok, cache)  # one token against the cache
-    else:
-        sequence = prompt_tensor
-        logits = prefill(model, sequence, None)
-
-        def step(tok: torch.Tensor) -> torch.Tensor:
-            nonlocal sequence
-            sequence = torch.cat([sequence, tok], dim=1)
-            return prefill(model, sequence, None)  # the whole sequence, every step
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        nonlocal sequence
+        sequence = torch.cat([sequence, tok], dim=1)
+        return prefill(model, sequence, None)  # the whole sequence, every step
 
     output: list[int] = []  # the generated ids, for the penalties
     for n in range(1, params.max_tokens + 1):
@@ -267,6 +267,29 @@ def _stream(
         if finish is not None:
             return
         logits = step(token[:, None])
+
+
+def _stream_on_engine(
+    model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, start: float
+) -> Iterator[StreamChunk]:
+    """One request through `minillm.engine.LLMEngine`, its outputs as StreamChunks."""
+    from minillm.engine import LLMEngine
+    from minillm.metrics import kv_blocks
+
+    engine = LLMEngine(model, tokenizer, num_blocks=kv_blocks(len(ids) + params.max_tokens, 16), max_num_seqs=1,
+                       max_num_batched_tokens=max(len(ids), 1), enable_prefix_caching=False)
+    request_id = engine.add_request("generate", ids, params, arrival_time=start)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                yield StreamChunk(
+                    out.new_token_ids[0], out.new_text, out.token_times_s[-1],
+                    out.finish_reason if out.finished else None,
+                    out.logprobs[-1] if out.logprobs is not None else None,
+                    out.top_logprobs[-1] if out.top_logprobs is not None else None,
+                )
+    finally:  # the caller stopped reading early: free the request
+        engine.abort_request(request_id)
 
 
 def generate(
