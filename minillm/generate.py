@@ -5,8 +5,11 @@
     ... until EOS, a stop string, or max_tokens.
 
 `prefill` and `decode_one_token` are separate named functions (the hot paths) so they can be
-timed, profiled and compiled on their own. `generate_no_cache` is the reference loop that
-recomputes the whole sequence at every step; chapter 02 measures the two against each other.
+timed, profiled and compiled on their own, on chapter 02's contiguous `KVCache`. `generate` itself
+runs its one request through the engine of chapter 05 (`minillm.engine.LLMEngine`, on the paged
+cache of chapter 04): one generation loop serves a single call and a server alike.
+`generate_no_cache` is the reference loop that recomputes the whole sequence at every step;
+chapter 02 measures the two against each other.
 """
 
 from __future__ import annotations
