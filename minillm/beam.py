@@ -48,12 +48,11 @@ import torch
 from minillm.generate import prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
-from minillm.paging import PagedKVCache, paged_forward
+from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 EarlyStopping = bool | str  # True, False or "never"
-BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 NO_BEAM = -1e9  # the starting score of beams that are only copies of the prompt (as in transformers)
 
 

@@ -47,10 +47,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from minillm.generate import decode_one_token, prefill, prepare_prompt
-from minillm.kv_cache import KVCache
+from minillm.generate import check_one_completion, prepare_prompt
 from minillm.model import Transformer
-from minillm.sampling import SamplingParams, sample
+from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 DEAD = -1  # the state of every string that can no longer be completed into a match
@@ -932,54 +931,37 @@ def generate_constrained(
     """Generate a completion of `prompt` whose text matches a regex (str) or a JSON schema (dict) (chapter 01).
 
     Pass a prebuilt `TokenIndex` to reuse it across calls; a str or dict builds one each call.
-    Every step: mask the logits to the state's allowed tokens, sample, advance the DFA.
+    It runs as one request of the engine (`LLMEngine.add_request(..., constraint=index)`), which at every
+    step masks the logits to the state's allowed tokens, samples, and advances the DFA.
 
     Example:
         >>> out = generate_constrained(model, tok, "Age: ", r"[1-9][0-9]?", SamplingParams(max_tokens=4))
         >>> out.text, out.complete
         ('42', True)
     """
+    from minillm.engine import LLMEngine  # the engine imports this module
+
     params = params or SamplingParams()
-    if params.stop:
-        raise ValueError("stop strings would cut a constrained output mid-pattern; end it with the pattern instead.")
-    if params.ignore_eos:
-        raise ValueError("ignore_eos has no meaning under a constraint: the pattern decides where the output may end.")
+    check_one_completion(params)
+
+    start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
     index = constraint
     if not isinstance(index, TokenIndex):
         index = TokenIndex.from_constraint(constraint, tokenizer, model.config.eos_token_ids)
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(params.seed)
-
-    state, generated, finish = index.start, [], "length"
-    if index.is_finished(state):  # the pattern allows only the empty string
-        return _output(index, ids, generated, "stop", state)
-    cache = KVCache(model.config, 1, len(ids) + params.max_tokens, model.device, model.dtype)
-    logits = prefill(model, torch.tensor([ids], device=model.device), cache)  # [1, V]
-    masks = _masks_for(index, logits.shape[-1], logits.device)  # [S, V]
-    for n in range(1, params.max_tokens + 1):
-        if not masks[state].any():
-            raise ValueError(f"no token of the vocabulary continues the pattern from state {state}: the "
-                             "vocabulary lacks the bytes it needs (a byte-level BPE normally has all 256).")
-        token = sample(mask_logits(logits, masks[state]), params, generator)  # [1]
-        token_id = int(token.item())
-        generated.append(token_id)
-        if token_id in index.eos_token_ids:
-            if not index.dfa.is_accepting(state):
-                raise RuntimeError(f"the sampler picked EOS {token_id} where the mask forbade it.")
-            finish = "stop"
-            break
-        state = index.advance(state, token_id)  # raises if the sampler ignored the mask
-        if index.is_finished(state):
-            finish = "stop"
-            break
-        if n < params.max_tokens:
-            logits = decode_one_token(model, token[:, None], cache)
-    return _output(index, ids, generated, finish, state)
+    if index.is_finished(index.start):  # the pattern allows only the empty string
+        return _output(index, ids, [], "stop", index.start)
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
+    engine.add_request("constrained", ids, params, arrival_time=start, constraint=index)
+    out = engine.run()["constrained", 0]
+    state = index.start
+    for token in out.token_ids:  # the DFA state the output ends in
+        if token not in index.eos_token_ids:
+            state = index.advance(state, token)
+    return _output(index, ids, out.token_ids, out.finish_reason or "length", state)
 
 
-def _masks_for(index: TokenIndex, vocab_size: int, device: torch.device) -> torch.Tensor:
+def masks_for(index: TokenIndex, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The index's masks on the logits' device, padded with False if the model has extra (unused) rows."""
     masks = index.mask
     if vocab_size > masks.shape[1]:

@@ -16,9 +16,16 @@ chapter 04), samples one token for every request whose prompt is complete, each 
 batch inference, with a progress bar). Names follow vLLM: `LLMEngine.add_request / step /
 abort_request / has_unfinished_requests`, `LLM.generate`, `SamplingParams`, `RequestOutput`.
 
-`minillm.generate` (one request) runs on this engine. Not here yet: n > 1 completions per request
-(`minillm.generate_n` forks a paged cache itself), beam search (`minillm.beam`, the same) and
-constrained decoding, which keep their own loops for now.
+A request may ask for several completions (`SamplingParams(n, best_of)`): its prompt is prefilled
+once, then forked into best_of sequences that share the prompt's blocks (copy-on-write, chapter 04),
+each an ordinary request of the scheduler from then on, named `<id>#<i>`; their outputs carry the
+request's id and their `index`. A request may also carry a constraint (a `TokenIndex` of a regex or
+JSON schema, chapter 01): its logits are masked to the tokens the pattern allows at every step.
+
+`minillm.generate` (one request), `minillm.generate_n` (n completions of one prompt) and
+`minillm.constrained.generate_constrained` all run on this engine: there is one generation loop.
+Beam search (`minillm.beam`) keeps its own loop on the same paged cache, because its step is a global
+choice among the beams, not one token sampled per request.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm.constrained import TokenIndex, mask_logits, masks_for
 from minillm.generate import CompletionState, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.notebook import tqdm
-from minillm.paging import PagedKVCache
+from minillm.paging import BLOCK_SIZE, PagedKVCache
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.scheduler import Request, Scheduler, SchedulerOutput
 from minillm.tokenizer import Tokenizer
@@ -61,6 +69,8 @@ class RequestOutput:
     logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
     top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
     num_preemptions: int = 0
+    index: int = 0  # which of the request's best_of sequences (0 unless n > 1); it samples with seed + index
+    cumulative_logprob: float = 0.0  # the sum of its tokens' log-probabilities (best_of keeps the n highest)
 
     @property
     def ttft_s(self) -> float:
@@ -85,7 +95,7 @@ class LLMEngine:
         model: Transformer,
         tokenizer: Tokenizer | None = None,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
@@ -98,54 +108,110 @@ class LLMEngine:
                                   enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.eos = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
+        # Per sequence (a request's id, or <id>#<i> for its i-th extra sequence when n > 1):
         self._completions: dict[str, CompletionState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        self._index: dict[str, tuple[str, int]] = {}  # sequence -> (request id, index)
+        self._states: dict[str, int] = {}  # sequence -> its DFA state, under a constraint
+        # Per request:
+        self._sequences: dict[str, list[str]] = {}  # request id -> its sequences' ids
+        self._fan_out: dict[str, int] = {}  # request id -> best_of, until its prompt is done and it forks
+        self._constraints: dict[str, tuple[TokenIndex, torch.Tensor]] = {}  # request id -> (index, masks [S, V])
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self._ids = itertools.count()
 
+    @classmethod
+    def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
+                       params: SamplingParams) -> LLMEngine:
+        """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
+        decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
+        (the prompt's once, then max_tokens plus a copy-on-write block per sequence)."""
+        best_of = params.best_of or params.n
+        num_blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
+        if best_of > 1:
+            num_blocks = kv_blocks(prompt_len, BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
+        return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
+                   max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, constraint: TokenIndex | None = None) -> str:
         """Queue a request; returns its id (a fresh one if request_id is None).
 
         Checked now, with a ValueError that says what to change: an empty prompt, ids outside the
         vocabulary, prompt + max_tokens beyond the model's context or the cache, stop strings without a
-        tokenizer, n or best_of > 1 (use `minillm.generate_n`).
+        tokenizer, a request id in use or containing "#" (the engine names extra sequences <id>#<i>);
+        under a constraint, stop strings or ignore_eos (the pattern decides where the output ends).
         """
         params = params or SamplingParams()
-        if params.n > 1 or (params.best_of or 1) > 1:
-            raise ValueError(f"the engine returns one completion per request, but params asks for n={params.n}, "
-                             f"best_of={params.best_of}: use minillm.generate_n for several completions of one prompt.")
         ids = prepare_prompt(self.model, prompt, params, self.tokenizer)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if "#" in request_id:
+            raise ValueError(f"request id {request_id!r} contains '#', which the engine keeps for the extra "
+                             "sequences of n > 1 requests (<id>#<i>): choose another id.")
+        if constraint is not None:
+            if params.stop:
+                raise ValueError("stop strings would cut a constrained output mid-pattern; end it with the pattern "
+                                 "instead.")
+            if params.ignore_eos:
+                raise ValueError("ignore_eos has no meaning under a constraint: the pattern decides where the output "
+                                 "may end.")
+            if constraint.is_finished(constraint.start):
+                raise ValueError("the constraint allows only the empty string: there is nothing to generate.")
         request = Request(request_id, ids, params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add(request)  # refuses ids in use and requests larger than the cache
-        self._completions[request_id] = CompletionState(ids, self.tokenizer, params)
-        device = self.model.device
-        self._generators[request_id] = (torch.Generator(device=device).manual_seed(params.seed)
-                                        if params.seed is not None else None)
+        if constraint is not None:
+            masks = masks_for(constraint, self.model.config.vocab_size, self.model.device)
+            self._constraints[request_id] = (constraint, masks)
+        best_of = params.best_of or params.n
+        if best_of > 1:
+            self._fan_out[request_id] = best_of
+        self._sequences[request_id] = []
+        self._start_sequence(request, request_id, 0)
         return request_id
 
+    def _start_sequence(self, request: Request, request_id: str, index: int) -> None:
+        """Per-sequence state: its completion, its generator (seeded seed + index), its DFA state."""
+        seq_id, params = request.request_id, request.params
+        self._sequences[request_id].append(seq_id)
+        self._index[seq_id] = (request_id, index)
+        self._completions[seq_id] = CompletionState(request.prompt_token_ids, self.tokenizer, params)
+        self._generators[seq_id] = (torch.Generator(device=self.model.device).manual_seed(params.seed + index)
+                                    if params.seed is not None else None)
+        if request_id in self._constraints:
+            self._states[seq_id] = self._constraints[request_id][0].start
+
+    def _end_sequence(self, seq_id: str) -> None:
+        request_id, _ = self._index.pop(seq_id)
+        for table in (self._completions, self._generators, self._states):
+            table.pop(seq_id, None)
+        if not any(s in self._index for s in self._sequences[request_id]):  # its last sequence ended
+            del self._sequences[request_id]
+            self._constraints.pop(request_id, None)
+            self._fan_out.pop(request_id, None)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop these requests now and free their blocks (a client disconnected); unknown ids are ignored."""
+        """Stop these requests (all their sequences) now and free their blocks; unknown ids are ignored."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.abort(request_id)
-            self._completions.pop(request_id, None)
-            self._generators.pop(request_id, None)
+            for seq_id in list(self._sequences.get(request_id, [])):
+                if seq_id in self._index:
+                    self.scheduler.abort(seq_id)
+                    self._end_sequence(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        """Unfinished requests (a request with n > 1 counts once)."""
+        return len(self._sequences)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; the outputs of the requests that got a token in this step."""
+        """Schedule, run one forward, sample; the outputs of the sequences that got a token in this step."""
         plan = self.scheduler.schedule()
         self.last_step = plan
         if not plan.scheduled:
@@ -157,36 +223,83 @@ class LLMEngine:
         for request, n in plan.scheduled:
             request.num_computed_tokens += n
 
-        ready = [i for i, r in enumerate(requests) if r.num_uncomputed_tokens == 0]  # prompt done: sample
-        if not ready:
+        # Rows to sample: every request whose prompt is done; one whose prompt just completed and that
+        # asks for best_of > 1 forks now, and its new sequences sample from the same logits row.
+        rows, which = [], []
+        for i, request in enumerate(requests):
+            if request.num_uncomputed_tokens == 0:
+                for seq in [request, *self._fork(request)]:
+                    rows.append(seq)
+                    which.append(i)
+        if not rows:
             return []
-        rows = [requests[i] for i in ready]
-        logits = logits[ready]
-        tokens = sample(logits, [r.params for r in rows], [self._generators[r.request_id] for r in rows],
+        logits = logits[which]  # [len(rows), V]
+        tokens = sample(self._constrain(rows, logits), [r.params for r in rows],
+                        [self._generators[r.request_id] for r in rows],
                         prompt_ids=[r.prompt_token_ids for r in rows], output_ids=[r.output_token_ids for r in rows])
-        lp = compute_logprobs(logits, tokens, max((r.params.logprobs or 0) for r in rows))
+        lp = compute_logprobs(logits, tokens, max((r.params.logprobs or 0) for r in rows))  # of the raw logits
         now = time.perf_counter()
         outputs = []
         for j, (request, token) in enumerate(zip(rows, tokens.tolist())):
-            completion = self._completions[request.request_id]
+            seq_id = request.request_id
+            completion = self._completions[seq_id]
             text_before = len(completion.text)
             request.output_token_ids.append(token)
             last = len(request.output_token_ids) == request.params.max_tokens
             top = dict(zip(*lp.top_logprobs[j])) if request.params.logprobs else {}
-            completion.push(token, float(lp.logprobs[j]), top, now - request.arrival_time,
-                            set() if request.params.ignore_eos else self.eos, last)
+            eos = set() if request.params.ignore_eos else self.eos
+            completion.push(token, float(lp.logprobs[j]), top, now - request.arrival_time, eos, last)
+            if seq_id in self._states and completion.finish_reason is None and self._advance(seq_id, token):
+                completion.finish_reason = "stop"  # the pattern is complete and nothing may follow
             if completion.finish_reason is not None:
                 self.scheduler.finish(request, completion.finish_reason)
             outputs.append(self._output(request, completion, [token], completion.text[text_before:]))
         for request in rows:
             if request.is_finished:
-                del self._completions[request.request_id], self._generators[request.request_id]
+                self._end_sequence(request.request_id)
         return outputs
+
+    def _fork(self, request: Request) -> list[Request]:
+        """If this request's prompt just completed and it asks for best_of > 1: its other sequences."""
+        best_of = self._fan_out.pop(request.request_id, 1)
+        children = []
+        for index in range(1, best_of):
+            child = self.scheduler.fork(request, f"{request.request_id}#{index}")
+            self._start_sequence(child, request.request_id, index)
+            children.append(child)
+        return children
+
+    def _constrain(self, rows: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from: each constrained row masked to the tokens its DFA state allows."""
+        constrained = [j for j, r in enumerate(rows) if r.request_id in self._states]
+        if not constrained:
+            return logits
+        logits = logits.clone()
+        for j in constrained:
+            seq_id = rows[j].request_id
+            _, masks = self._constraints[self._index[seq_id][0]]
+            allowed = masks[self._states[seq_id]]
+            if not allowed.any():
+                raise ValueError(f"no token of the vocabulary continues the pattern from state {self._states[seq_id]}: "
+                                 "the vocabulary lacks the bytes it needs (a byte-level BPE normally has all 256).")
+            logits[j] = mask_logits(logits[j], allowed)
+        return logits
+
+    def _advance(self, seq_id: str, token: int) -> bool:
+        """Move a constrained sequence's DFA over its new token; True if the pattern is now finished."""
+        index, _ = self._constraints[self._index[seq_id][0]]
+        if token in index.eos_token_ids:
+            if not index.dfa.is_accepting(self._states[seq_id]):
+                raise RuntimeError(f"the sampler picked EOS {token} where the mask forbade it.")
+            return True
+        self._states[seq_id] = index.advance(self._states[seq_id], token)  # raises if the sampler ignored the mask
+        return index.is_finished(self._states[seq_id])
 
     def _output(self, request: Request, completion: CompletionState, new_ids: list[int],
                 new_text: str) -> RequestOutput:
+        request_id, index = self._index[request.request_id]
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(completion.token_ids),
             text=completion.text if self.tokenizer is not None else None,
@@ -198,7 +311,25 @@ class LLMEngine:
             logprobs=list(completion.logprobs) if request.params.logprobs is not None else None,
             top_logprobs=list(completion.top_logprobs) if request.params.logprobs is not None else None,
             num_preemptions=request.num_preemptions,
+            index=index,
+            cumulative_logprob=sum(completion.logprobs),
         )
+
+    def run(self, use_tqdm: bool = False, total: int | None = None) -> dict[tuple[str, int], RequestOutput]:
+        """Step until every request is finished; the final output of each sequence by (request id, index)."""
+        finished: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=total, desc="requests", disable=not use_tqdm) as bar:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id, out.index] = out
+                        bar.update(out.index == 0)
+        return finished
+
+
+def best_of_n(outputs: Sequence[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n outputs with the highest cumulative log-probability (ties: lower index first), as vLLM's best_of."""
+    return sorted(outputs, key=lambda o: (-o.cumulative_logprob, o.index))[:n]
 
 
 class LLM:
@@ -220,7 +351,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished `RequestOutput` per prompt, in the prompts' order (params: one for all, or one each)."""
+        """The finished `RequestOutput`s, prompt by prompt in the prompts' order: params.n of them per prompt
+        (one unless n > 1; then the n best of best_of by cumulative log-probability). params: one for all, or
+        one per prompt."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -229,11 +362,9 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: pass one, or one each.")
         engine = self.engine
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        return [finished[i] for i in ids]
+        finished = engine.run(use_tqdm, total=len(ids))
+        outputs = []
+        for request_id, sp in zip(ids, params):
+            group = [finished[request_id, i] for i in range(sp.best_of or sp.n)]
+            outputs += best_of_n(group, sp.n)
+        return outputs

@@ -277,10 +277,8 @@ def _stream_on_engine(
 ) -> Iterator[StreamChunk]:
     """One request through `minillm.engine.LLMEngine`, its outputs as StreamChunks."""
     from minillm.engine import LLMEngine
-    from minillm.metrics import kv_blocks
 
-    engine = LLMEngine(model, tokenizer, num_blocks=kv_blocks(len(ids) + params.max_tokens, 16), max_num_seqs=1,
-                       max_num_batched_tokens=max(len(ids), 1), enable_prefix_caching=False)
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
     request_id = engine.add_request("generate", ids, params, arrival_time=start)
     try:
         while engine.has_unfinished_requests():

@@ -52,6 +52,7 @@ import torch
 from minillm.config import ModelConfig
 from minillm.model import PagedDecode, Transformer, attention_mask, use_triton_attention
 
+BLOCK_SIZE = 16  # tokens per KV block: the default of minillm's users, as of vLLM
 PAD_SLOT = -1  # the slot of a padding token in `slot_mapping`: nothing is written for it (as in vLLM)
 
 

@@ -3,7 +3,8 @@
 Sampling the same prompt several times need not run the prompt several times, nor store it several
 times. The prompt is prefilled once into a paged KV cache (chapter 04), forked into best_of
 sequences that share its blocks (copy-on-write: only the partly filled last block is copied, when a
-row first writes to it), and the rows decode together, one batched step per token:
+row first writes to it), and the rows decode together, one batched step per token. This is one
+request of the engine (chapter 05) with `SamplingParams(n, best_of)`; the engine does the forking:
 
     prompt ─ prefill (1 sequence) ─► logits ─ fork it into best_of sequences sharing the prompt's blocks
     repeat: sample one token per row (row i with its own generator, seeded seed + i)
@@ -20,19 +21,13 @@ penalties: how likely the model found each token, not how likely the sampler was
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import torch
-
-from minillm.beam import default_eos_ids
-from minillm.generate import CompletionState, GenerationOutput, prepare_prompt
-from minillm.metrics import kv_blocks
+from minillm.engine import LLMEngine, RequestOutput, best_of_n
+from minillm.generate import GenerationOutput, prepare_prompt
 from minillm.model import Transformer
-from minillm.paging import PagedKVCache, paged_forward
-from minillm.sampling import SamplingParams, compute_logprobs, sample
+from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-
-BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 
 
 @dataclass
@@ -71,60 +66,24 @@ def generate_n(
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
     best_of = params.best_of or params.n
-    device = model.device
-    eos = set() if params.ignore_eos else default_eos_ids(model, tokenizer)
-    rows = [CompletionState(ids, tokenizer, params) for _ in range(best_of)]
-    generators = [
-        torch.Generator(device=device).manual_seed(params.seed + i) if params.seed is not None else None
-        for i in range(best_of)
-    ]
-
-    # The prompt's blocks once, and per row its own blocks for max_tokens tokens plus the copy of the
-    # shared, partly filled last prompt block.
-    num_blocks = kv_blocks(len(ids), BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
-    cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype, enable_prefix_caching=False)
-    cache.add_sequence(0)
-    logits = paged_forward(model, cache, [0], [ids])  # [1, V]
-    for i in range(1, best_of):
-        cache.fork(0, i)  # row i shares the prompt's blocks: nothing is copied
-    logits = logits.expand(best_of, -1)  # [best_of, V]
-    running = list(range(best_of))  # which row each batch position holds
-    for step in range(1, params.max_tokens + 1):
-        tokens = sample(
-            logits, params, [generators[r] for r in running],
-            prompt_ids=[ids] * len(running), output_ids=[rows[r].token_ids for r in running],
-        )  # [len(running)]
-        lp = compute_logprobs(logits, tokens, params.logprobs or 0)
-        now = time.perf_counter() - start
-        for j, r in enumerate(running):
-            top = dict(zip(*lp.top_logprobs[j]))
-            rows[r].push(int(tokens[j]), float(lp.logprobs[j]), top, now, eos, step == params.max_tokens)
-        for r in running:
-            if rows[r].finish_reason is not None:
-                cache.free(r)  # a finished row leaves the batch and gives its blocks back
-        still = [j for j, r in enumerate(running) if rows[r].finish_reason is None]
-        if not still:
-            break
-        running = [running[j] for j in still]
-        logits = paged_forward(model, cache, running, [[t] for t in tokens[still].tolist()])
-
-    outputs = [_output(i, row, ids, tokenizer, params) for i, row in enumerate(rows)]
-    outputs.sort(key=lambda o: -o.cumulative_logprob)  # a stable sort: ties keep the lower index first
-    return outputs[: params.n]
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
+    # logprobs=0: each token's log-probability, which the ranking needs, and no top alternatives
+    engine.add_request("n", ids, params if params.logprobs is not None else replace(params, logprobs=0),
+                       arrival_time=start)
+    finished = engine.run()
+    return [_output(out, params) for out in best_of_n([finished["n", i] for i in range(best_of)], params.n)]
 
 
-def _output(
-    index: int, row: CompletionState, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams
-) -> CompletionOutput:
-    """A finished row as a `CompletionOutput`."""
+def _output(out: RequestOutput, params: SamplingParams) -> CompletionOutput:
+    """A finished sequence of the engine as a `CompletionOutput` (logprobs always filled)."""
     return CompletionOutput(
-        prompt_token_ids=prompt_ids,
-        token_ids=row.token_ids,
-        text=row.text if tokenizer is not None else None,
-        finish_reason=row.finish_reason or "length",
-        token_times_s=row.times,
-        logprobs=row.logprobs,
-        top_logprobs=row.top_logprobs if params.logprobs is not None else None,
-        index=index,
-        cumulative_logprob=sum(row.logprobs),
+        prompt_token_ids=out.prompt_token_ids,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=out.finish_reason or "length",
+        token_times_s=out.token_times_s,
+        logprobs=out.logprobs or [],
+        top_logprobs=out.top_logprobs if params.logprobs is not None else None,
+        index=out.index,
+        cumulative_logprob=out.cumulative_logprob,
     )

@@ -189,6 +189,20 @@ class Scheduler:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         del self.requests[request.request_id]
 
+    def fork(self, parent: Request, child_id: str) -> Request:
+        """A running request's twin that shares its KV blocks (copy-on-write): one more sequence of an
+        n > 1 request, started when the parent's prompt is done. From here on it is a request of its own."""
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use.")
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"only a running request can be forked; {parent.request_id!r} is {parent.status.value}.")
+        child = Request(child_id, parent.prompt_token_ids, parent.params, parent.arrival_time,
+                        list(parent.output_token_ids), parent.num_computed_tokens, RequestStatus.RUNNING)
+        self.cache.fork(parent.request_id, child_id)
+        self.requests[child_id] = child
+        self.running.append(child)
+        return child
+
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Finish these requests now (a client went away); unknown or finished ids are ignored."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:

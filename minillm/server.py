@@ -19,6 +19,9 @@ that speaks it work unchanged:
     POST /v1/chat/completions    chat: the tokenizer's chat template if it has one, else CHAT_TEMPLATE
     GET  /metrics                Prometheus text: queue lengths, KV blocks, tokens, TTFT and ITL histograms
 
+Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
+forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
+
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
 JSON or fields (400), an unknown model (404), a prompt longer than the context (400), a full queue
 (429). A client that disconnects aborts its request, and the request's KV blocks are freed.
@@ -35,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from minillm.engine import LLMEngine, RequestOutput
+from minillm.engine import LLMEngine, RequestOutput, best_of_n
 from minillm.sampling import SamplingParams
 
 try:
@@ -66,6 +69,8 @@ def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
     return text + "ASSISTANT.\n"
 
 
+MAX_N = 16  # the most completions (n, best_of) one request may ask for
+
 # ---------------------------------------------------------------------- request bodies
 class _Sampling(BaseModel):
     """The sampling fields both endpoints take (OpenAI's names; top_k, min_p, repetition_penalty and
@@ -82,19 +87,27 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one completion per request")
+    n: int = Field(default=1, ge=1, le=MAX_N, description="completions to return")
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="completions to generate (>= n); "
+                                "the n with the highest cumulative log-probability are returned")
     stream: bool = False
     ignore_eos: bool = False
     user: str | None = None
 
     def params(self, default_max_tokens: int) -> SamplingParams:
+        if self.stream and (self.best_of or self.n) != self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must equal n ({self.n}) when streaming: the best are known "
+                                "only at the end.", param="best_of", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, stop=stop,
-            seed=self.seed, ignore_eos=self.ignore_eos,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, stop=stop,
+                seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, best_of=self.best_of,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class CompletionRequest(_Sampling):
@@ -151,7 +164,7 @@ class Metrics:
         """Record one step's output of one request."""
         self.generation_tokens.inc(len(out.new_token_ids))
         times = out.token_times_s
-        if len(times) == 1:
+        if len(times) == 1 and out.index == 0:  # once per request, also with n > 1
             self.ttft.observe(times[0])
         elif len(times) > 1:
             self.itl.observe(times[-1] - times[-2])
@@ -172,7 +185,12 @@ class Metrics:
 @dataclass
 class _Waiter:
     queue: asyncio.Queue
-    done: bool = False
+    sequences: int = 1  # best_of: the request is done when this many sequences have finished
+    finished: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.sequences
 
 
 class AsyncEngine:
@@ -206,10 +224,13 @@ class AsyncEngine:
             self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
-        waiter = self.waiters[request_id] = _Waiter(asyncio.Queue())
-        self.metrics.prompt_tokens.inc(len(self.engine.scheduler.requests[request_id].prompt_token_ids))
+        waiter = self.waiters[request_id] = _Waiter(asyncio.Queue(), params.best_of or params.n)
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens(request_id))
         self.wakeup.set()
         return request_id, waiter
+
+    def num_prompt_tokens(self, request_id: str) -> int:
+        return len(self.engine.scheduler.requests[request_id].prompt_token_ids)
 
     def release(self, request_id: str) -> None:
         """The handler is done with this request: abort it if unfinished (a client went away)."""
@@ -219,7 +240,8 @@ class AsyncEngine:
             self.metrics.finished.labels("abort").inc()
 
     async def outputs(self, request_id: str, waiter: _Waiter, http: Request) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them, until finished; aborts if the client disconnects."""
+        """The request's outputs (of all its sequences) as the engine makes them, until all are finished; the
+        caller aborts the request (`release`) if the client disconnects."""
         while True:
             try:
                 out = await asyncio.wait_for(waiter.queue.get(), timeout=0.25)
@@ -229,10 +251,9 @@ class AsyncEngine:
                 return
             if out is None:
                 continue
-            if out.finished:
-                waiter.done = True
+            waiter.finished += out.finished
             yield out
-            if out.finished:
+            if waiter.done:
                 return
 
 
@@ -289,35 +310,38 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
         request_id, waiter = state.add(prompt, params)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        n_prompt = len(engine.scheduler.requests[request_id].prompt_token_ids)
-
-        def usage(out: RequestOutput) -> dict:
-            return {"prompt_tokens": n_prompt, "completion_tokens": len(out.token_ids),
-                    "total_tokens": n_prompt + len(out.token_ids)}
+        n_prompt = state.num_prompt_tokens(request_id)
 
         if not body.stream:
+            finals: list[RequestOutput] = []
             try:
-                last = None
                 async for out in state.outputs(request_id, waiter, http):
-                    last = out
+                    if out.finished:
+                        finals.append(out)
             finally:
                 state.release(request_id)
-            if last is None or not last.finished:
+            if not waiter.done:
                 return JSONResponse({}, status_code=499)  # the client went away: nobody reads this
-            choice = ({"index": 0, "message": {"role": "assistant", "content": last.text}} if chat
-                      else {"index": 0, "text": last.text, "logprobs": None})
-            return {"id": request_id, "object": kind, "created": created, "model": model_name,
-                    "choices": [choice | {"finish_reason": last.finish_reason}], "usage": usage(last)}
+            choices = []
+            for i, out in enumerate(best_of_n(finals, params.n)):
+                choice = ({"index": i, "message": {"role": "assistant", "content": out.text}} if chat
+                          else {"index": i, "text": out.text, "logprobs": None})
+                choices.append(choice | {"finish_reason": out.finish_reason})
+            generated = sum(len(out.token_ids) for out in finals)  # all best_of sequences were computed
+            return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices,
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": generated,
+                              "total_tokens": n_prompt + generated}}
 
         async def events() -> AsyncIterator[str]:
             try:
                 if chat:  # the first chunk names the role, as OpenAI's does
-                    yield _sse(request_id, kind + ".chunk", created, model_name,
-                               {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-                async for out in state.outputs(request_id, waiter, http):
+                    for i in range(params.n):
+                        yield _sse(request_id, kind + ".chunk", created, model_name,
+                                   {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                async for out in state.outputs(request_id, waiter, http):  # choice i: the request's sequence i
                     if out.new_text or out.finished:
-                        choice = ({"index": 0, "delta": {"content": out.new_text}} if chat
-                                  else {"index": 0, "text": out.new_text, "logprobs": None})
+                        choice = ({"index": out.index, "delta": {"content": out.new_text}} if chat
+                                  else {"index": out.index, "text": out.new_text, "logprobs": None})
                         yield _sse(request_id, kind + (".chunk" if chat else ""), created, model_name,
                                    choice | {"finish_reason": out.finish_reason if out.finished else None})
                 yield "data: [DONE]\n\n"

@@ -10,6 +10,8 @@ then that every block is back in the pool.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,8 +160,8 @@ def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids):
 def test_bad_requests_are_refused_with_a_clear_error(shipped):
     model, tok = shipped
     engine = LLMEngine(model, tok)
-    with pytest.raises(ValueError, match="generate_n"):
-        engine.add_request(None, "A", SamplingParams(n=2))
+    with pytest.raises(ValueError, match="'#'"):
+        engine.add_request("a#1", "A", SamplingParams())
     with pytest.raises(ValueError, match="context"):
         engine.add_request(None, "A", SamplingParams(max_tokens=model.config.max_seq_len + 1))
     with pytest.raises(ValueError, match="empty"):
@@ -223,3 +225,69 @@ def test_preempted_requests_are_recomputed_and_still_match_their_solo_output(shi
     for i, p in enumerate(prompts):
         assert finished[str(i)].token_ids == alone(model, p, 24), f"request {i} changed after preemption"
     assert engine.cache.allocator.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ n > 1 and constraints, beside other requests
+def test_n_completions_fork_after_one_prefill_and_match_generate_with_seed_plus_index(shipped, text_ids):
+    """A request with n=3 shares the batch with another: its prompt is computed once, then three sequences
+    fork from it; sequence i samples what `generate` samples with seed + i, and the other is unchanged."""
+    model, tok = shipped
+    params = SamplingParams(max_tokens=10, n=3, seed=11, ignore_eos=True)
+    engine = LLMEngine(model, tok, num_blocks=40, max_num_batched_tokens=32)
+    engine.add_request("other", text_ids[:30], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request("n3", text_ids[5:25], params)
+    assert engine.num_unfinished_requests == 2
+    finished, prompt_tokens = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id, out.index] = out
+        prompt_tokens += engine.last_step.num_prefill_tokens
+    assert prompt_tokens == 30 + 20, "each prompt is computed once, not once per completion"
+    assert sorted(finished) == [("n3", 0), ("n3", 1), ("n3", 2), ("other", 0)]
+    for i in range(3):
+        solo = generate(model, text_ids[5:25], replace(params, n=1, seed=11 + i), tok)
+        assert finished["n3", i].token_ids == solo.token_ids, f"sequence {i} samples with seed 11 + {i}"
+    assert finished["other", 0].token_ids == alone(model, text_ids[:30], 12)
+    assert engine.cache.allocator.num_used_blocks == 0 and engine.num_unfinished_requests == 0
+
+
+def test_aborting_an_n_request_aborts_all_its_sequences(shipped, text_ids):
+    model, tok = shipped
+    engine = LLMEngine(model, tok)
+    engine.add_request("n4", text_ids[:20], SamplingParams(max_tokens=30, n=4, seed=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.scheduler.running) == 4, "forked into four sequences"
+    engine.abort_request("n4")
+    assert not engine.has_unfinished_requests() and engine.cache.allocator.num_used_blocks == 0
+
+
+def test_llm_generate_returns_the_n_best_of_best_of_per_prompt(shipped, text_ids):
+    model, tok = shipped
+    params = SamplingParams(max_tokens=8, n=2, best_of=5, seed=3)
+    outs = LLM(model, tok).generate([text_ids[:10], text_ids[20:30]], params, use_tqdm=False)
+    assert len(outs) == 4, "n=2 outputs for each of 2 prompts"
+    assert outs[0].request_id != outs[2].request_id
+    for first, second in (outs[:2], outs[2:]):
+        assert first.request_id == second.request_id
+        assert first.cumulative_logprob >= second.cumulative_logprob
+    every = minillm.generate_n(model, text_ids[:10], replace(params, n=5), tok)
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in every[:2]], "the best 2 of the same 5"
+
+
+def test_a_constrained_request_batched_with_others_matches_its_solo_run(shipped, text_ids):
+    from minillm.constrained import TokenIndex, generate_constrained
+
+    model, tok = shipped
+    index = TokenIndex.from_constraint(r"(Speak|Resolved), [a-z]+\.", tok, model.config.eos_token_ids)
+    params = SamplingParams(max_tokens=12, seed=5)
+    solo = generate_constrained(model, tok, "ALL.\n", index, params)
+    engine = LLMEngine(model, tok)
+    engine.add_request("free", text_ids[:15], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request("json", "ALL.\n", params, constraint=index)
+    finished = engine.run()
+    assert finished["json", 0].token_ids == solo.token_ids and solo.complete
+    assert finished["free", 0].token_ids == alone(model, text_ids[:15], 12), "the mask touches only its own row"
+    with pytest.raises(ValueError, match="stop strings"):
+        engine.add_request(None, "A", SamplingParams(stop=["x"]), constraint=index)

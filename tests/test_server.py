@@ -147,6 +147,30 @@ def test_32_streaming_clients_a_third_hanging_up(server):
     assert again.choices[0].text == want[1].text
 
 
+def test_n_completions_equal_generate_n_streaming_or_not(server):
+    """n=3 from one prefill forked in the engine: the same completions as minillm.generate_n, best first; streamed,
+    choice i carries sequence i."""
+    prompt, model = "JULIET.\nO Romeo, Romeo", server.offline.engine.model
+    params = SamplingParams(max_tokens=12, n=2, best_of=4, seed=7, ignore_eos=True)
+    want = minillm.generate_n(model, prompt, params, server.tok)
+    got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=2, best_of=4, seed=7,
+                                           extra_body={"ignore_eos": True})
+    assert [c.text for c in got.choices] == [o.text for o in want] and [c.index for c in got.choices] == [0, 1]
+    assert got.usage.completion_tokens == 4 * 12, "all best_of sequences are generated"
+
+    every = minillm.generate_n(model, prompt, SamplingParams(max_tokens=12, n=3, seed=7, ignore_eos=True),
+                               server.tok)
+    texts = ["", "", ""]
+    stream = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=3, seed=7, stream=True,
+                                              extra_body={"ignore_eos": True})
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [o.text for o in sorted(every, key=lambda o: o.index)]
+    wait_idle(server.engine)
+    assert server.engine.cache.allocator.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("body, status, code", [
     ("{not json", 400, "invalid_json"),
     ({"model": MODEL, "prompt": "A", "max_tokens": "many"}, 400, "invalid_value"),
@@ -154,7 +178,9 @@ def test_32_streaming_clients_a_third_hanging_up(server):
     ({"model": MODEL, "prompt": 42}, 400, "invalid_value"),
     ({"model": "gpt-4", "prompt": "A"}, 404, "model_not_found"),
     ({"model": MODEL, "prompt": "A " * 5000}, 400, "invalid_prompt"),
-    ({"model": MODEL, "prompt": "A", "n": 3}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "A", "n": 17}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "A", "n": 3, "best_of": 2}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "A", "n": 2, "best_of": 4, "stream": True}, 400, "invalid_value"),
 ])
 def test_bad_requests_get_the_openai_error_shape_and_a_4xx(server, body, status, code):
     if isinstance(body, str):
