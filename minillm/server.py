@@ -34,7 +34,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -379,3 +379,48 @@ def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8
     name = str(model).rstrip("/").split("/")[-1]
     app = create_app(LLMEngine(llm, tokenizer, **engine_kwargs), name, max_queue)
     uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+@contextlib.contextmanager
+def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, **options: Any) -> Iterator[str]:
+    """Run `minillm serve` in its own process on a free port of 127.0.0.1; yield its URL once /health answers,
+    and stop it (SIGTERM) when the block ends. options: the command's flags, e.g. max_num_seqs=16.
+
+        with serve_in_background("shakespeare-1m", max_num_seqs=16) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    """
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    command = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", str(port), *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).text == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"minillm serve did not answer /health within {timeout_s:g} s; its output:\n"
+                                   + proc.communicate()[0][-2000:])
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()

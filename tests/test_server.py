@@ -195,28 +195,18 @@ def test_bad_requests_get_the_openai_error_shape_and_a_4xx(server, body, status,
 
 
 def test_minillm_serve_command_starts_a_server_on_loopback():
-    """`minillm serve` in its own process: it answers /health and /v1/models on 127.0.0.1, then stops on SIGTERM."""
-    import subprocess
-    import sys
+    """`minillm serve` in its own process (through serve_in_background): it answers /health and /v1/models on
+    127.0.0.1, with the flags it was given, and is stopped when the block ends."""
+    from minillm.server import serve_in_background
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", MODEL, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).text == "ok":
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("minillm serve did not answer /health within 30 s")
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+    with serve_in_background(MODEL, max_num_seqs=4) as url:
+        assert url.startswith("http://127.0.0.1:")
+        models = httpx.get(url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == [MODEL]
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=20)
-    assert "127.0.0.1" in out, out
+        metrics = httpx.get(url + "/metrics").text
+        assert "minillm_kv_blocks_total 256.0" in metrics, "4 sequences of 1,024 tokens in blocks of 16"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=1)
 
 
 # ---------------------------------------------------------------------- the load generator (minillm.bench)
