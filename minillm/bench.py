@@ -179,7 +179,16 @@ def goodput(results: list[RequestResult], seconds: float, slo_ttft: float, slo_t
 def online(url: str, model: str, requests: list[tuple[list[int], int]], rate: float, max_seconds: float = 600,
            slo_ttft: float = 1.0, slo_tpot: float = 0.1, seed: int = 0, use_tqdm: bool = True) -> dict[str, Any]:
     """Send `requests` to an OpenAI-compatible server at Poisson rate `rate` (inf: all at once); the metrics."""
-    results, seconds = asyncio.run(_online(url.rstrip("/"), model, requests, rate, max_seconds, seed, use_tqdm))
+    run = _online(url.rstrip("/"), model, requests, rate, max_seconds, seed, use_tqdm)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no event loop here: the usual case
+        results, seconds = asyncio.run(run)
+    else:  # called from a running loop (a Jupyter cell): run ours in a thread of its own
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            results, seconds = pool.submit(asyncio.run, run).result()
     ok = [r for r in results if r.error is None and r.token_times]
     return {
         "url": url, "model": model, "request_rate": rate, "requests": len(requests), "completed": len(ok),

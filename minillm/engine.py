@@ -1,14 +1,15 @@
 """The engine: continuous batching of many requests over one paged KV cache (chapter 05).
 
 `LLMEngine` is the loop a server runs. Requests arrive at any time (`add_request`); each `step()`
-asks the `Scheduler` which requests run and how many of their tokens, runs ONE forward of the model
-over all of them (prompt chunks and decode tokens in one ragged batch on the `PagedKVCache` of
-chapter 04), samples one token for every request whose prompt is complete, each with its own
-`SamplingParams`, and returns what each request gained in this step (a streaming delta):
+asks the `Scheduler` which requests run and how many of their tokens, runs the model over all of them
+(prompt chunks and decode tokens, on the `PagedKVCache` of chapter 04; decodes and chunks as two
+forwards, so that decodes are not padded to a chunk's length: see `_forward`), samples one token for
+every request whose prompt is complete, each with its own `SamplingParams`, and returns what each
+request gained in this step (a streaming delta):
 
     step ──► scheduler.schedule()             who runs, how many tokens each (token budget, free blocks)
          ──► cache.prepare(ids, tokens)       the step's block tables and slot mapping
-         ──► model(view.tokens, cache=view)   one forward for prefill chunks and decodes together
+         ──► model(view.tokens, cache=view)   the forward: decodes [D, 1], then prompt chunks [P, T]
          ──► sample each finished prompt's row with its own params and generator
          ──► stop rules (EOS, stop strings, max_tokens); finished requests free their blocks
 
@@ -211,15 +212,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; the outputs of the sequences that got a token in this step."""
+        """Schedule, run the model, sample; the outputs of the sequences that got a token in this step."""
         plan = self.scheduler.schedule()
         self.last_step = plan
         if not plan.scheduled:
             return []
         requests = [r for r, _ in plan.scheduled]
-        chunks = [r.all_token_ids[r.num_computed_tokens: r.num_computed_tokens + n] for r, n in plan.scheduled]
-        view = self.cache.prepare([r.request_id for r in requests], chunks)
-        logits = self.model(view.tokens, cache=view, last_only=True)[:, -1]  # [B, V]: each row's last new token
+        logits = self._forward(plan.scheduled)  # [B, V]: each row's last new token
         for request, n in plan.scheduled:
             request.num_computed_tokens += n
 
@@ -258,6 +257,29 @@ class LLMEngine:
             if request.is_finished:
                 self._end_sequence(request.request_id)
         return outputs
+
+    def _forward(self, scheduled: list[tuple[Request, int]]) -> torch.Tensor:
+        """The logits of each scheduled request's last new token, [len(scheduled), V].
+
+        The model takes a rectangular batch [B, T], so rows shorter than the longest are padded, and padding
+        costs as much compute as a token. A 512-token prompt chunk beside 40 decodes would make 41 x 512
+        positions for 552 real tokens. So the rows computing one token (decodes) run as one forward [D, 1],
+        and the prompt chunks as another [P, T] (padded only against each other). vLLM avoids padding
+        altogether by packing every token of the step into one flat sequence with per-request attention
+        ("varlen" kernels); minillm's kernels take rectangular batches, and two forwards keep it simple.
+        """
+        chunks = [r.all_token_ids[r.num_computed_tokens: r.num_computed_tokens + n] for r, n in scheduled]
+        logits: list[torch.Tensor | None] = [None] * len(scheduled)
+        decodes = [i for i, c in enumerate(chunks) if len(c) == 1]
+        prompts = [i for i, c in enumerate(chunks) if len(c) > 1]
+        for group in (decodes, prompts):
+            if not group:
+                continue
+            view = self.cache.prepare([scheduled[i][0].request_id for i in group], [chunks[i] for i in group])
+            rows = self.model(view.tokens, cache=view, last_only=True)[:, -1]
+            for j, i in enumerate(group):
+                logits[i] = rows[j]
+        return torch.stack(logits)
 
     def _fork(self, request: Request) -> list[Request]:
         """If this request's prompt just completed and it asks for best_of > 1: its other sequences."""

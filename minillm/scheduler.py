@@ -1,6 +1,6 @@
 """The scheduler: which requests run in the next forward, and how many of their tokens (chapter 05).
 
-A server holds many requests at once. Each step of the engine runs ONE forward over a batch made of
+A server holds many requests at once. Each step of the engine runs the model over a batch made of
 whatever the scheduler picks: decode tokens of running requests and chunks of prompts, side by side
 (continuous batching: a request joins the batch as soon as there is room and leaves it as soon as it
 is done, instead of the whole batch waiting for its longest member). The scheduler decides under two
@@ -96,7 +96,8 @@ class Request:
 class SchedulerOutput:
     """What one step ran, and why the others did not: the record of a scheduling decision.
 
-    scheduled:    (request, number of its tokens this forward computes), running ones first
+    scheduled:    (request, number of its tokens this forward computes), running ones first (the requests
+                  are live objects: read their state now, or use the fields below, fixed at this step)
     preempted:    the ids of requests preempted in this step (freed, back to the waiting queue)
     waiting:      {request id: why it did not run}: "token budget", "no free blocks", "max_num_seqs",
                   or "behind <id>" (first come first served: it waits for the request before it)
@@ -110,6 +111,7 @@ class SchedulerOutput:
     num_prefill_tokens: int  # tokens of prompts (or of recomputation after a preemption)
     num_used_blocks: int  # after this step's allocations
     num_blocks: int
+    prefill_ids: set[str] = field(default_factory=set)  # who ran prompt work (a chunk, or a recomputation)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -260,9 +262,10 @@ class Scheduler:
 
         self.steps += 1
         allocator = self.cache.allocator
-        prefill = sum(n for r, n in scheduled if r.is_prefill)
+        prefill_ids = {r.request_id for r, _ in scheduled if r.is_prefill}
+        prefill = sum(n for r, n in scheduled if r.request_id in prefill_ids)
         return SchedulerOutput(self.steps, scheduled, preempted, waiting, self.max_num_batched_tokens - budget,
-                               prefill, allocator.num_used_blocks, allocator.num_blocks)
+                               prefill, allocator.num_used_blocks, allocator.num_blocks, prefill_ids)
 
     def _try_allocate(self, request: Request, n: int) -> bool:
         """Allocate the blocks for n more tokens of a running request; False if the pool is short."""
