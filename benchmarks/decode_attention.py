@@ -87,6 +87,12 @@ def time_graphs(graphs: dict, reps: int = 40) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def warm_up_gpu() -> None:
+    """About a second of bf16 matmuls in a CUDA graph, so that timings start at full clocks."""
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    graph_time_ms([lambda: warm @ warm] * 20, reps=50)
+
+
 def graph_time_ms(calls: list, reps: int = 40) -> float:
     """Median GPU milliseconds per call: the calls captured in one CUDA graph, replayed `reps` times."""
     return time_graphs({"x": capture(calls)}, reps)["x"]
@@ -247,9 +253,7 @@ def main() -> None:
     from minillm.kernels.decode_attention import GPU_STAGES, GPU_WARPS
 
     args.default_launch = (GPU_WARPS, GPU_STAGES)
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    graph_time_ms([lambda: warm @ warm] * 20, reps=50)  # about a second of work: raise the clocks first
-    warm = None
+    warm_up_gpu()
     copy_gbs, copy_graph_gbs = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"{name}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s; decode attention bf16, {args.heads} query / "

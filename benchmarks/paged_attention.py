@@ -26,7 +26,7 @@ import sys
 
 import torch
 from common import write_results
-from decode_attention import ROTATE_BYTES, capture, check, copy_bandwidth, graph_time_ms, must_read, time_graphs
+from decode_attention import ROTATE_BYTES, capture, check, copy_bandwidth, must_read, time_graphs, warm_up_gpu
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int):  # noqa: ANN201
@@ -102,9 +102,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/paged_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
                  "paged kernel through Triton's interpreter.")
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    graph_time_ms([lambda: warm @ warm] * 20, reps=50)  # about a second of work: raise the clocks first
-    warm = None
+    warm_up_gpu()
     copy_gbs, _ = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s", flush=True)
     rows = []

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.generate import prepare_prompt
+from minillm.generate import default_eos_ids, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
@@ -100,11 +100,6 @@ def beam_step(
     candidates = beam_scores[:, None] + logprobs  # [num_beams, V]
     next_scores, flat = candidates.reshape(-1).topk(k)  # over the flattened [num_beams * V]
     return next_scores, flat // vocab, flat % vocab
-
-
-def default_eos_ids(model: Transformer, tokenizer: Tokenizer | None) -> set[int]:
-    """The ids that end a sequence: the model config's and the tokenizer's (as `generate` uses)."""
-    return set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
 
 
 # ------------------------------------------------------------------ the search

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.constrained import TokenIndex, mask_logits, masks_for
-from minillm.generate import CompletionState, prepare_prompt
+from minillm.generate import CompletionState, default_eos_ids, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.notebook import tqdm
-from minillm.paging import BLOCK_SIZE, PagedKVCache
+from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.scheduler import Request, Scheduler, SchedulerOutput
 from minillm.tokenizer import Tokenizer
@@ -108,7 +108,7 @@ class LLMEngine:
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
                                   enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.eos = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
+        self.eos = default_eos_ids(model, tokenizer)
         # Per sequence (a request's id, or <id>#<i> for its i-th extra sequence when n > 1):
         self._completions: dict[str, CompletionState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -275,8 +275,8 @@ class LLMEngine:
         for group in (decodes, prompts):
             if not group:
                 continue
-            view = self.cache.prepare([scheduled[i][0].request_id for i in group], [chunks[i] for i in group])
-            rows = self.model(view.tokens, cache=view, last_only=True)[:, -1]
+            rows = paged_forward(self.model, self.cache, [scheduled[i][0].request_id for i in group],
+                                 [chunks[i] for i in group])
             for j, i in enumerate(group):
                 logits[i] = rows[j]
         return torch.stack(logits)
@@ -303,7 +303,8 @@ class LLMEngine:
             allowed = masks[self._states[seq_id]]
             if not allowed.any():
                 raise ValueError(f"no token of the vocabulary continues the pattern from state {self._states[seq_id]}: "
-                                 "the vocabulary lacks the bytes it needs (a byte-level BPE normally has all 256).")
+                                 "the vocabulary lacks the bytes it needs. Use a byte-level BPE tokenizer (it has all "
+                                 "256 bytes), or a pattern within the characters this vocabulary can spell.")
             logits[j] = mask_logits(logits[j], allowed)
         return logits
 

@@ -120,6 +120,11 @@ def prepare_prompt(
     return ids
 
 
+def default_eos_ids(model: Transformer, tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a sequence: the model config's and the tokenizer's."""
+    return set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
+
+
 def check_one_completion(params: SamplingParams) -> None:
     """`generate` returns one completion: refuse n or best_of > 1 rather than drop the others silently."""
     if params.n > 1 or (params.best_of or 1) > 1:
@@ -233,43 +238,23 @@ def _stream(
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-    eos = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
-    if params.ignore_eos:
-        eos = set()
-    decoder = IncrementalDecoder(tokenizer, ids) if tokenizer is not None else None
-    stops = StopStringMatcher(params.stop)
-
+    eos = set() if params.ignore_eos else default_eos_ids(model, tokenizer)
+    row = CompletionState(ids, tokenizer, params)  # the engine's stopping rules, text and log-probabilities
     sequence = torch.tensor([ids], device=device)
-    logits = prefill(model, sequence, None)
-
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        nonlocal sequence
-        sequence = torch.cat([sequence, tok], dim=1)
-        return prefill(model, sequence, None)  # the whole sequence, every step
-
-    output: list[int] = []  # the generated ids, for the penalties
     for n in range(1, params.max_tokens + 1):
-        token = sample(logits, params, generator, prompt_ids=[ids], output_ids=[output])  # [1]
+        logits = prefill(model, sequence, None)  # the whole sequence, every step
+        token = sample(logits, params, generator, prompt_ids=[ids], output_ids=[row.token_ids])  # [1]
         token_id = int(token.item())  # waits for the device: the token is really ready
-        output.append(token_id)
-        logprob, top_logprobs = None, None
-        if params.logprobs is not None:
-            lp = compute_logprobs(logits, token, params.logprobs)
-            logprob, top_logprobs = float(lp.logprobs[0]), dict(zip(*lp.top_logprobs[0]))
-        text, stopped = "", False
-        if decoder is not None:
-            text, stopped = stops.feed(decoder.push(token_id))
-        finish = None
-        if stopped or token_id in eos:
-            finish = "stop"
-        elif n == params.max_tokens:
-            finish = "length"
-        if finish is not None and not stopped:
-            text += stops.flush()
-        yield StreamChunk(token_id, text, time.perf_counter() - start, finish, logprob, top_logprobs)
-        if finish is not None:
+        lp = compute_logprobs(logits, token, params.logprobs or 0)
+        text_before = len(row.text)
+        row.push(token_id, float(lp.logprobs[0]), dict(zip(*lp.top_logprobs[0])), time.perf_counter() - start, eos,
+                 n == params.max_tokens)
+        wanted = params.logprobs is not None
+        yield StreamChunk(token_id, row.text[text_before:], row.times[-1], row.finish_reason,
+                          row.logprobs[-1] if wanted else None, row.top_logprobs[-1] if wanted else None)
+        if row.finish_reason is not None:
             return
-        logits = step(token[:, None])
+        sequence = torch.cat([sequence, token[:, None]], dim=1)
 
 
 def _stream_on_engine(
