@@ -20,6 +20,13 @@ and chapter 04 the paged decode kernel, the same kernel reading K and V through 
     paged_decode_attention(q, k_pool, v_pool, block_tables, lengths)
     paged_decode_attention_reference(...)         gather_kv through the tables, then the reference
 
+and the GPU fast path (issue 16) adds two small fused kernels for the decode step:
+
+    fused_rotary(q, k, positions, inv_freq)       rotary on q and k in one launch, cos/sin computed in place
+    fused_rotary_reference(...)                   RotaryEmbedding's tables and apply_rotary, in PyTorch
+    silu_and_mul(gate_up)                         SwiGLU's silu(gate) * up in one pass over memory
+    silu_and_mul_reference(gate_up)               F.silu(gate) * up, as MLP computes it
+
 `import minillm.kernels` works on a machine without Triton: the names are then missing, and
 asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
 (prefill) and `decode_attention` (decode) only on CUDA (see `minillm.model.use_triton_attention`).
@@ -36,8 +43,8 @@ from __future__ import annotations
 import importlib.util
 
 __all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
-           "fused_add_rms_norm", "fused_add_rms_norm_reference", "paged_decode_attention",
-           "paged_decode_attention_reference"]
+           "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
+           "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -50,6 +57,8 @@ if TRITON_AVAILABLE:
     )
     from .flash_attention import attention_reference, flash_attention
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
+    from .rotary import fused_rotary, fused_rotary_reference
+    from .swiglu import silu_and_mul, silu_and_mul_reference
 else:
 
     def __getattr__(name: str) -> object:
