@@ -32,6 +32,7 @@ choice among the beams, not one token sampled per request.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.constrained import TokenIndex, mask_logits, masks_for
+from minillm.cuda_graphs import DecodeGraphs, graphs_unavailable
 from minillm.generate import CompletionState, default_eos_ids, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
@@ -47,6 +49,8 @@ from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.scheduler import Request, Scheduler, SchedulerOutput
 from minillm.tokenizer import Tokenizer
+
+log = logging.getLogger("minillm")
 
 
 @dataclass
@@ -89,6 +93,10 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's budgets (see
             `minillm.scheduler.Scheduler`).
         enable_prefix_caching: reuse cached full blocks of earlier prompts (chapter 04).
+        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.cuda_graphs`), captured at the
+            first decode step for every batch size up to max_num_seqs. Default: on wherever they can run
+            (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
+            capture fails, the engine logs why and runs eagerly.
     """
 
     def __init__(
@@ -101,8 +109,14 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        reason = graphs_unavailable(model)
+        if cuda_graphs and reason:
+            raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
+        self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
+        self.graphs: DecodeGraphs | None = None  # captured at the first decode step
         if num_blocks is None:
             num_blocks = max_num_seqs * kv_blocks(model.config.max_seq_len, block_size)
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
@@ -126,11 +140,13 @@ class LLMEngine:
                        params: SamplingParams) -> LLMEngine:
         """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
         decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
-        (the prompt's once, then max_tokens plus a copy-on-write block per sequence)."""
+        (the prompt's once, then max_tokens plus a copy-on-write block per sequence), and one for the padding
+        rows of CUDA graphs."""
         best_of = params.best_of or params.n
-        num_blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
+        blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
         if best_of > 1:
-            num_blocks = kv_blocks(prompt_len, BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
+            blocks = kv_blocks(prompt_len, BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
+        num_blocks = blocks + 1
         return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
                    max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False)
 
@@ -275,11 +291,24 @@ class LLMEngine:
         for group in (decodes, prompts):
             if not group:
                 continue
-            rows = paged_forward(self.model, self.cache, [scheduled[i][0].request_id for i in group],
+            if group is decodes and self._decode_graphs() is not None:
+                rows = self.graphs.run([scheduled[i][0].request_id for i in group], [chunks[i][0] for i in group])
+            else:
+                rows = paged_forward(self.model, self.cache, [scheduled[i][0].request_id for i in group],
                                  [chunks[i] for i in group])
             for j, i in enumerate(group):
                 logits[i] = rows[j]
         return torch.stack(logits)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The captured decode graphs, capturing them on first use; None when the engine runs eagerly."""
+        if self.graphs is None and self.use_cuda_graphs:
+            try:
+                self.graphs = DecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:  # the model does something capture forbids
+                log.warning("CUDA graph capture failed, running decode steps eagerly: %s", error)
+                self.use_cuda_graphs = False
+        return self.graphs
 
     def _fork(self, request: Request) -> list[Request]:
         """If this request's prompt just completed and it asks for best_of > 1: its other sequences."""

@@ -15,7 +15,10 @@ stacked into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`: one l
 instead of several small ones, the layout every serving engine uses.
 `minillm.checkpoints` stacks the checkpoint's separate matrices on load and splits them on save.
 On a CUDA GPU, prefill attention runs minillm's Triton FlashAttention kernel (chapter 02; see
-`use_triton_attention`, and MINILLM_TRITON=0 to turn it off); everywhere else it runs in PyTorch.
+`use_triton_attention`, and MINILLM_TRITON=0 to turn it off), decode attention its decode kernels
+(chapters 03-04), and the small steps between the matrix multiplies run fused (`use_fused_kernels`:
+residual add + RMSNorm, rotary, silu * up, each one Triton kernel instead of several PyTorch ones);
+everywhere else, the CPU above all, the model runs in PyTorch, as written below.
 """
 
 from __future__ import annotations
@@ -117,6 +120,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class RotaryPositions:
+    """What the layers get instead of the (cos, sin) tables on the fused path (CUDA, `use_fused_kernels`):
+    the positions, from which `minillm.kernels.fused_rotary` computes each angle inside its one kernel."""
+
+    positions: torch.Tensor  # [B * T] int: the position of each token, row by row
+    inv_freq: torch.Tensor  # [head_dim / 2] fp32: `RotaryEmbedding.inv_freq`
+
+
+Rope = tuple[torch.Tensor, torch.Tensor] | RotaryPositions  # (cos, sin) [B, 1, T, head_dim] each, or the positions
+
+
 class Attention(nn.Module):
     """Multi-head attention with `n_kv_heads` key/value heads (MHA, GQA or MQA)."""
 
@@ -135,15 +150,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | str | None,
-        cache: CacheView | None,
-    ) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]. `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | str | None,
+                cache: CacheView | None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]. `rope`: the (cos, sin) tables [B, 1, T, head_dim] or, on the fused path,
+        the positions (`RotaryPositions`). `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -151,8 +161,15 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(rope, RotaryPositions):  # one Triton kernel rotates q and k, angles computed in place
+            from minillm.kernels import fused_rotary
+
+            q, k = fused_rotary(q.reshape(B * T, self.n_heads, self.head_dim),
+                                k.reshape(B * T, self.n_kv_heads, self.head_dim), rope.positions, rope.inv_freq)
+            q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not isinstance(rope, RotaryPositions):
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim]: every key to attend to
         out = grouped_query_attention(q, k, v, mask)  # [B, n_heads, T, head_dim]
@@ -186,22 +203,41 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
-    """Whether attention over activations like `x` runs minillm's Triton FlashAttention kernel (chapter 02).
-
-    Yes when `x` is a CUDA tensor of float16/bfloat16/float32 that autograd does not track (the
-    kernels have no backward pass: training runs attention in PyTorch), `head_dim` is one the kernel
-    supports, Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else
-    (the CPU above all) attention runs in PyTorch, `F.scaled_dot_product_attention`.
-    """
+def _triton_kernels_run(x: torch.Tensor) -> bool:
+    """Whether minillm's Triton kernels may take activations like `x`: a CUDA tensor of float16/bfloat16/float32
+    that autograd does not track (the kernels have no backward pass: training runs in PyTorch), Triton
+    installed, and not MINILLM_TRITON=0 in the environment."""
     return (
         x.is_cuda
         and not x.requires_grad
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and head_dim in FLASH_HEAD_DIMS
         and os.environ.get("MINILLM_TRITON", "1") != "0"
         and _triton_installed()
     )
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the small steps between the matrix multiplies run as fused Triton kernels (the GPU fast path):
+    each residual add fused into the next RMSNorm, rotary on q and k in one kernel, silu(gate) * up in one.
+
+    Yes wherever the Triton kernels run (see `use_triton_attention`), outside autocast, unless MINILLM_FUSED=0,
+    which keeps them in PyTorch (benchmarks/roofline.py measures the difference). Everywhere else, the CPU above all,
+    the model runs in PyTorch, as written.
+    """
+    return (_triton_kernels_run(x) and os.environ.get("MINILLM_FUSED", "1") != "0"
+            and not torch.is_autocast_enabled("cuda"))  # autocast mixes dtypes in the residual stream
+
+
+def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether attention over activations like `x` runs minillm's Triton kernels: FlashAttention for prefill
+    (chapter 02), the decode kernels for one query per row (chapters 03-04).
+
+    Yes when `x` is a CUDA tensor of float16/bfloat16/float32 that autograd does not track (the
+    kernels have no backward pass: training runs attention in PyTorch), `head_dim` is one the kernels
+    support, Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else
+    (the CPU above all) attention runs in PyTorch, `F.scaled_dot_product_attention`.
+    """
+    return _triton_kernels_run(x) and head_dim in FLASH_HEAD_DIMS
 
 
 def grouped_query_attention(
@@ -254,7 +290,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim] through a [B, T, ffn_dim] hidden layer."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused_kernels(gate_up):  # silu(gate) * up in one Triton kernel
+            from minillm.kernels import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -268,17 +309,27 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | str | None,
-        cache: CacheView | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | str | None,
+                cache: CacheView | None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; the other arguments pass through to `Attention`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, delta: torch.Tensor, residual: torch.Tensor, rope: Rope, mask: torch.Tensor | str | None,
+                      cache: CacheView | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add fused into the norm that follows it (CUDA, `use_fused_kernels`).
+
+        The block's input is residual + delta [B, T, dim] each, not yet added; so is its output, returned
+        as (delta, residual): the MLP's output and the stream before it. One kernel adds and normalises
+        (`minillm.kernels.fused_add_rms_norm`), where `forward` reads and writes the stream in several.
+        """
+        from minillm.kernels import fused_add_rms_norm
+
+        h, residual = fused_add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        delta = self.self_attn(h, rope, mask, cache)
+        h, residual = fused_add_rms_norm(delta, residual, self.post_attention_layernorm.weight,
+                                         self.post_attention_layernorm.eps)
+        return self.mlp(h), residual
 
 
 def attention_mask(
@@ -389,7 +440,11 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device) if cache is None else cache.positions(T)
         positions = positions.expand(B, T)
         x = self.embed_tokens(tokens)  # [B, T, dim]
-        cos, sin = self.rotary(positions, x.dtype)
+        fused = use_fused_kernels(x)
+        if fused:  # the fused rotary kernel computes its angles from the positions
+            rope: Rope = RotaryPositions(positions.reshape(-1), self.rotary.inv_freq)
+        else:
+            rope = self.rotary(positions, x.dtype)
 
         # Which keys each query may see. With a cache, the keys are whatever its `update` returns
         # (every position it holds, or each sequence's own in a ragged batch), so the cache says.
@@ -401,13 +456,24 @@ class Transformer(nn.Module):
         else:
             mask = attention_mask(positions, positions, window)
 
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
+        if fused:  # the same blocks, each residual add fused into the next norm (`Block.forward_fused`)
+            from minillm.kernels import fused_add_rms_norm
+
+            delta, residual = x, torch.zeros_like(x)
+            for layer in self.layers:
+                delta, residual = layer.forward_fused(delta, residual, rope, mask, cache)
+            if last_only:
+                delta, residual = delta[:, -1:], residual[:, -1:]
+            x, _ = fused_add_rms_norm(delta, residual, self.norm.weight, self.norm.eps)
+        else:
+            for layer in self.layers:
+                x = layer(x, rope, mask, cache)
+            if last_only:
+                x = x[:, -1:]
+            x = self.norm(x)
         if cache is not None:
             cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(x)
 
     def num_parameters(self) -> int:
         """Parameters, counting a tied embedding/head matrix once."""
