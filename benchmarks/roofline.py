@@ -271,7 +271,7 @@ def main() -> None:
                         row["hf_static"] = {"error": f"{type(error).__name__}: {error}"[:400]}
             roof = row["roofline_step_s"]
             for key in ("eager_step_s", "unfused_graph_step_s", "graph_step_s", "graph_replay_s", "engine_step_s"):
-                row[key.replace("_s", "_fraction")] = roof / row[key]
+                row[key[:-2] + "_fraction"] = roof / row[key]
             for key in ("hf_eager", "hf_static"):
                 if key in row and "step_s" in row[key]:
                     row[key]["fraction"] = roof / row[key]["step_s"]
