@@ -3,7 +3,7 @@
 A decode step of a Llama-3.2-1B-shaped model reads 2.5 GB of weights, about 0.8 ms at an H100's
 copy bandwidth, but eager PyTorch issues it as several hundred kernels, each launched from Python at
 a few microseconds of CPU time, and many of them tiny (a norm, a rotary, an add on one token's
-activations). The GPU then waits on the CPU: minillm's eager decode of that model ran at 6% of the
+activations). The GPU then waits on the CPU: minillm's eager decode of that model ran at 4% of the
 bandwidth roofline (`results/roofline_cuda.json` has the numbers).
 
 A CUDA graph records every kernel of one step, with its arguments, once (`torch.cuda.CUDAGraph`), and

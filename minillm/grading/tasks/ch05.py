@@ -884,3 +884,20 @@ def scheduler_prefill_steps(prompt_len: int, num_decodes: int, max_num_batched_t
         steps += any(r is prompt for r, _ in out.scheduled)
         _run_step(scheduler, out)
     return steps
+
+
+def launch_bound_roofline_fraction(bytes_moved: float, bandwidth: float, n_kernels: int, launch_s: float,
+                                   kernel_s: float) -> float:
+    """Fraction of the bandwidth roofline that a decode step issued as `n_kernels` separate launches reaches.
+
+    The roofline step takes bytes_moved / bandwidth. Each kernel costs the host `launch_s` to launch and the GPU
+    `kernel_s` to run; launches are asynchronous, but the host never gets ahead of the GPU, so kernel k runs while
+    kernel k+1 is being launched: a two-stage pipeline of n_kernels items, n x max(launch_s, kernel_s) +
+    min(launch_s, kernel_s). The step can never beat the roofline itself. Drill 05.cuda-graph-launch-bound
+    computes its answer with it.
+    """
+    if min(bytes_moved, bandwidth, n_kernels, launch_s, kernel_s) <= 0:
+        raise ValueError("bytes_moved, bandwidth, n_kernels, launch_s and kernel_s must all be positive.")
+    roofline_s = bytes_moved / bandwidth
+    step_s = n_kernels * max(launch_s, kernel_s) + min(launch_s, kernel_s)
+    return roofline_s / max(step_s, roofline_s)
