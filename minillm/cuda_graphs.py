@@ -159,7 +159,11 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         if capture:
-            self._capture()
+            try:
+                self._capture()
+            except BaseException:
+                cache.allocator.free(self.pad_block)  # a failed capture leaves the pool as it found it
+                raise
 
     def _step(self, size: int) -> torch.Tensor:
         """The recorded work: the model over the first `size` rows of the buffer -> logits [size, vocab].

@@ -290,12 +290,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim] through a [B, T, ffn_dim] hidden layer."""
-        gate_up = self.gate_up_proj(x)
-        if use_fused_kernels(gate_up):  # silu(gate) * up in one Triton kernel
-            from minillm.kernels import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -321,15 +316,17 @@ class Block(nn.Module):
 
         The block's input is residual + delta [B, T, dim] each, not yet added; so is its output, returned
         as (delta, residual): the MLP's output and the stream before it. One kernel adds and normalises
-        (`minillm.kernels.fused_add_rms_norm`), where `forward` reads and writes the stream in several.
+        (`minillm.kernels.fused_add_rms_norm`), where `forward` reads and writes the stream in several; and the
+        MLP's silu(gate) * up is one kernel (`minillm.kernels.silu_and_mul`) instead of two.
         """
-        from minillm.kernels import fused_add_rms_norm
+        from minillm.kernels import fused_add_rms_norm, silu_and_mul
 
         h, residual = fused_add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         delta = self.self_attn(h, rope, mask, cache)
         h, residual = fused_add_rms_norm(delta, residual, self.post_attention_layernorm.weight,
                                          self.post_attention_layernorm.eps)
-        return self.mlp(h), residual
+        mlp = self.mlp
+        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(h))), residual
 
 
 def attention_mask(
