@@ -6,9 +6,9 @@ A decode step must read every weight once and each sequence's KV cache once, so 
     roofline = (weight bytes read + KV bytes read) / copy bandwidth
 
 with the weights counted by `minillm.metrics.weight_bytes_read` and the KV cache by `kv_cache_bytes`
-at the steps' mean context, and the copy bandwidth measured in this run (a large device-to-device copy,
-bytes read plus written), not the datasheet. Each system's measured time per decode step is compared
-with it: fraction of roofline = roofline / measured.
+at the steps' mean context, and the copy bandwidth measured in this run (`decode_attention.copy_bandwidth`:
+a 1 GiB device-to-device copy, bytes read plus written), not the datasheet. Each system's measured time per
+decode step is compared with it: fraction of roofline = roofline / measured.
 
 Measured, per shape and batch B (random bf16 weights, the same in both libraries; a prompt of
 `--context` random tokens per sequence, then `--steps` decode steps):
@@ -40,6 +40,7 @@ from collections import defaultdict
 
 import torch
 from common import write_results
+from decode_attention import copy_bandwidth
 
 import minillm
 from minillm import metrics
@@ -56,22 +57,6 @@ SHAPES = {
     "llama-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
 }
-
-
-def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
-    """Bytes per second of a device-to-device copy of `gib` GiB, counting bytes read plus written (median)."""
-    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * gib * 2**30 / statistics.median(times[3:])
 
 
 def timed(fn, repeats: int) -> float:  # noqa: ANN001
@@ -239,7 +224,7 @@ def main() -> None:
         sys.exit("benchmarks/roofline.py needs a CUDA GPU.")
     import transformers
 
-    bandwidth = copy_bandwidth()
+    bandwidth, _ = copy_bandwidth()  # the copy kernel's rate, read + written, as chapter 03's benchmarks use
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for shape in args.shapes:

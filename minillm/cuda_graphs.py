@@ -100,7 +100,8 @@ class GraphDecodeView:
 
     def positions(self, n: int) -> torch.Tensor:
         if n != 1:
-            raise ValueError(f"a captured decode step takes one token per row, not {n}.")
+            raise ValueError(f"a captured decode step takes one token per row, not {n}: run prompt chunks eagerly, "
+                             "through minillm.paging.paged_forward.")
         return self.position_ids
 
     def attention_mask(self, positions: torch.Tensor, window: int | None) -> PagedDecode:

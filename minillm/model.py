@@ -232,10 +232,9 @@ def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
     """Whether attention over activations like `x` runs minillm's Triton kernels: FlashAttention for prefill
     (chapter 02), the decode kernels for one query per row (chapters 03-04).
 
-    Yes when `x` is a CUDA tensor of float16/bfloat16/float32 that autograd does not track (the
-    kernels have no backward pass: training runs attention in PyTorch), `head_dim` is one the kernels
-    support, Triton is installed, and the environment does not say MINILLM_TRITON=0. Everywhere else
-    (the CPU above all) attention runs in PyTorch, `F.scaled_dot_product_attention`.
+    Yes where the Triton kernels may run (`_triton_kernels_run`: CUDA, no autograd, Triton, not
+    MINILLM_TRITON=0) and `head_dim` is one the kernels compile for. Everywhere else (the CPU above all)
+    attention runs in PyTorch, `F.scaled_dot_product_attention`.
     """
     return _triton_kernels_run(x) and head_dim in FLASH_HEAD_DIMS
 
