@@ -25,6 +25,9 @@ JSON schema, chapter 01): its logits are masked to the tokens the pattern allows
 
 `minillm.generate` (one request), `minillm.generate_n` (n completions of one prompt) and
 `minillm.constrained.generate_constrained` all run on this engine: there is one generation loop.
+With `speculative=SpeculativeConfig(drafter, k)` (chapter 07) the decode rows of a step are a variant
+of it: the drafter proposes up to k tokens per row, one target forward scores them all, the verify
+rule keeps some, and the rejected positions are rolled back in the cache (`_speculative_decode`).
 Beam search (`minillm.beam`) keeps its own loop on the same paged cache, because its step is a global
 choice among the beams, not one token sampled per request.
 """
@@ -45,9 +48,10 @@ from minillm.generate import CompletionState, default_eos_ids, prepare_prompt
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.notebook import tqdm
-from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
+from minillm.paging import BLOCK_SIZE, NoFreeBlocksError, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.scheduler import Request, Scheduler, SchedulerOutput
+from minillm.speculative import Draft, SpeculativeConfig, SpeculativeStats, target_probabilities, verify, verify_greedy
 from minillm.tokenizer import Tokenizer
 
 log = logging.getLogger("minillm")
@@ -96,7 +100,10 @@ class LLMEngine:
         cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.cuda_graphs`), captured at the
             first decode step for every batch size up to max_num_seqs. Default: on wherever they can run
             (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
-            capture fails, the engine logs why and runs eagerly.
+            capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
+            forwards score several tokens per row).
+        speculative: draft and verify decode tokens (`minillm.speculative.SpeculativeConfig`, chapter 07);
+            `spec_stats` counts what was proposed and accepted.
     """
 
     def __init__(
@@ -110,9 +117,14 @@ class LLMEngine:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         cuda_graphs: bool | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.speculative = speculative
+        self.spec_stats = SpeculativeStats()
         reason = graphs_unavailable(model)
+        if speculative is not None:
+            reason = reason or "speculative decoding is on (its verify forwards are not captured)"
         if cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
@@ -137,18 +149,21 @@ class LLMEngine:
 
     @classmethod
     def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
-                       params: SamplingParams) -> LLMEngine:
+                       params: SamplingParams, speculative: SpeculativeConfig | None = None) -> LLMEngine:
         """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
         decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
-        (the prompt's once, then max_tokens plus a copy-on-write block per sequence), and one for the padding
-        rows of CUDA graphs."""
+        (the prompt's once, then max_tokens plus a copy-on-write block per sequence), one for the padding
+        rows of CUDA graphs, and with `speculative`, the blocks its k draft tokens can spill into."""
         best_of = params.best_of or params.n
         blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
         if best_of > 1:
             blocks = kv_blocks(prompt_len, BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
         num_blocks = blocks + 1
+        if speculative is not None:
+            num_blocks += best_of * kv_blocks(speculative.num_speculative_tokens, BLOCK_SIZE)
         return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
-                   max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False)
+                   max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False,
+                   speculative=speculative)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -202,6 +217,8 @@ class LLMEngine:
 
     def _end_sequence(self, seq_id: str) -> None:
         request_id, _ = self._index.pop(seq_id)
+        if self.speculative is not None:
+            self.speculative.drafter.release(seq_id)
         for table in (self._completions, self._generators, self._states):
             table.pop(seq_id, None)
         if not any(s in self._index for s in self._sequences[request_id]):  # its last sequence ended
@@ -233,13 +250,45 @@ class LLMEngine:
         self.last_step = plan
         if not plan.scheduled:
             return []
-        requests = [r for r, _ in plan.scheduled]
-        logits = self._forward(plan.scheduled)  # [B, V]: each row's last new token
-        for request, n in plan.scheduled:
-            request.num_computed_tokens += n
+        # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
+        speculating = [(r, n) for r, n in plan.scheduled if self._speculates(r, n)]
+        plain = [(r, n) for r, n in plan.scheduled if not self._speculates(r, n)]
+        results = self._speculative_decode([r for r, _ in speculating]) if speculating else []
+        if plain:
+            results = self._sample_plain(plain) + results
+        now = time.perf_counter()
+        outputs = []
+        for request, tokens, logprobs, tops in results:
+            seq_id = request.request_id
+            completion = self._completions[seq_id]
+            text_before = len(completion.text)
+            new_ids = []
+            for token, logprob, top in zip(tokens, logprobs, tops):
+                request.output_token_ids.append(token)
+                new_ids.append(token)
+                last = len(request.output_token_ids) == request.params.max_tokens
+                eos = set() if request.params.ignore_eos else self.eos
+                completion.push(token, logprob, top, now - request.arrival_time, eos, last)
+                if seq_id in self._states and completion.finish_reason is None and self._advance(seq_id, token):
+                    completion.finish_reason = "stop"  # the pattern is complete and nothing may follow
+                if completion.finish_reason is not None:  # drafts accepted past the end are dropped
+                    self.scheduler.finish(request, completion.finish_reason)
+                    break
+            outputs.append(self._output(request, completion, new_ids, completion.text[text_before:]))
+        for request, *_ in results:
+            if request.is_finished:
+                self._end_sequence(request.request_id)
+        return outputs
 
-        # Rows to sample: every request whose prompt is done; one whose prompt just completed and that
-        # asks for best_of > 1 forks now, and its new sequences sample from the same logits row.
+    def _sample_plain(self, scheduled: list[tuple[Request, int]]
+                      ) -> list[tuple[Request, list[int], list[float], list[dict[int, float]]]]:
+        """Run the forward and sample one token for every row whose prompt is done: (row, [token], [logprob],
+        [top logprobs]). A row whose prompt just completed and that asks for best_of > 1 forks now, and its new
+        sequences sample from the same logits row."""
+        requests = [r for r, _ in scheduled]
+        logits = self._forward(scheduled)  # [B, V]: each row's last new token
+        for request, n in scheduled:
+            request.num_computed_tokens += n
         rows, which = [], []
         for i, request in enumerate(requests):
             if request.num_uncomputed_tokens == 0:
@@ -253,26 +302,57 @@ class LLMEngine:
                         [self._generators[r.request_id] for r in rows],
                         prompt_ids=[r.prompt_token_ids for r in rows], output_ids=[r.output_token_ids for r in rows])
         lp = compute_logprobs(logits, tokens, max((r.params.logprobs or 0) for r in rows))  # of the raw logits
-        now = time.perf_counter()
-        outputs = []
-        for j, (request, token) in enumerate(zip(rows, tokens.tolist())):
-            seq_id = request.request_id
-            completion = self._completions[seq_id]
-            text_before = len(completion.text)
-            request.output_token_ids.append(token)
-            last = len(request.output_token_ids) == request.params.max_tokens
-            top = dict(zip(*lp.top_logprobs[j])) if request.params.logprobs else {}
-            eos = set() if request.params.ignore_eos else self.eos
-            completion.push(token, float(lp.logprobs[j]), top, now - request.arrival_time, eos, last)
-            if seq_id in self._states and completion.finish_reason is None and self._advance(seq_id, token):
-                completion.finish_reason = "stop"  # the pattern is complete and nothing may follow
-            if completion.finish_reason is not None:
-                self.scheduler.finish(request, completion.finish_reason)
-            outputs.append(self._output(request, completion, [token], completion.text[text_before:]))
-        for request in rows:
-            if request.is_finished:
-                self._end_sequence(request.request_id)
-        return outputs
+        return [(r, [t], [float(lp.logprobs[j])], [dict(zip(*lp.top_logprobs[j])) if r.params.logprobs else {}])
+                for j, (r, t) in enumerate(zip(rows, tokens.tolist()))]
+
+    def _speculates(self, request: Request, n: int) -> bool:
+        """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go."""
+        return (self.speculative is not None and n == 1 and not request.is_prefill
+                and request.request_id not in self._states
+                and request.params.max_tokens - len(request.output_token_ids) >= 2)
+
+    def _speculative_decode(self, requests: list[Request]
+                            ) -> list[tuple[Request, list[int], list[float], list[dict[int, float]]]]:
+        """Draft, verify in one target forward, roll back the rejected positions (chapter 07).
+
+        Each row's last token (uncomputed, as in any decode step) and its d <= k drafts go through the model
+        together, [B, 1 + max d] left-padded; the logits at those 1 + d positions are p_1 .. p_{d+1}. The verify
+        rule keeps a accepted drafts and adds one token; the cache keeps the last token and the a drafts, and
+        `PagedKVCache.truncate` returns the rejected ones' slots.
+        """
+        config = self.speculative
+        ids = [r.request_id for r in requests]
+        ks = [min(config.num_speculative_tokens, r.params.max_tokens - len(r.output_token_ids) - 1) for r in requests]
+        drafts = config.drafter.propose(ids, [r.all_token_ids for r in requests], [r.params for r in requests], ks,
+                                        [self._generators[i] for i in ids])
+        for i, (seq_id, draft) in enumerate(zip(ids, drafts)):
+            if len(draft.tokens) > ks[i]:
+                raise ValueError(f"the drafter proposed {len(draft.tokens)} tokens where {ks[i]} were asked for.")
+            try:  # the scheduler gave the row room for its last token; the drafts need more
+                self.cache.allocate_slots([seq_id], [1 + len(draft.tokens)])
+            except NoFreeBlocksError:
+                drafts[i] = Draft([])  # no room for drafts: a plain decode step for this row
+        view = self.cache.prepare(ids, [[r.all_token_ids[-1], *d.tokens] for r, d in zip(requests, drafts)])
+        logits = self.model(view.tokens, cache=view)  # [B, T, V], row b's positions are its last 1 + d_b columns
+        results = []
+        for b, (request, draft) in enumerate(zip(requests, drafts)):
+            raw = logits[b, logits.shape[1] - 1 - len(draft.tokens):]  # [1 + d, V]
+            p = target_probabilities(raw, request.params, request.prompt_token_ids, request.output_token_ids,
+                                     draft.tokens)
+            if request.params.greedy:
+                tokens = verify_greedy(p.argmax(dim=-1).tolist(), draft.tokens)
+            else:
+                tokens = verify(p, draft.tokens, draft.probs, self._generators[request.request_id])
+            accepted = len(tokens) - 1
+            if draft.tokens:
+                self.spec_stats.record(len(draft.tokens), accepted)
+            request.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts are in the cache
+            self.cache.truncate(request.request_id, request.num_computed_tokens)
+            k = request.params.logprobs or 0
+            lp = compute_logprobs(raw[: len(tokens)], torch.tensor(tokens, device=raw.device), k)
+            tops = [dict(zip(*t)) if request.params.logprobs else {} for t in lp.top_logprobs]
+            results.append((request, tokens, lp.logprobs.tolist(), tops))
+        return results
 
     def _forward(self, scheduled: list[tuple[Request, int]]) -> torch.Tensor:
         """The logits of each scheduled request's last new token, [len(scheduled), V].

@@ -1,6 +1,8 @@
-"""Quality gates: how much a change to the model (fewer KV heads, fewer bits) costs in quality (chapter 03).
+"""Quality gates: how much a change to the model (fewer KV heads, fewer bits) costs in quality (chapter 03),
+and whether a sampler draws from the distribution it claims to (chapter 07).
 
     ppl = perplexity(model, val_ids)    # exp(mean next-token cross-entropy), lower is better
+    chi_squared_test(counts, probs)     # (statistic, degrees of freedom, p-value): do the counts fit probs?
 
 Perplexity is e^(loss): the number of equally likely tokens the model is, on average, choosing
 between. It is measured exactly as the shipped models' cards measure it (`minillm.train`): the
@@ -31,3 +33,41 @@ def perplexity(
     if len(ids) < seq_len + 1:
         raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} tokens, got {len(ids)}; lower seq_len.")
     return math.exp(evaluate(model, batches_for_eval(ids, seq_len, max_windows), batch_size))
+
+
+def chi_squared_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson's chi-squared goodness-of-fit test: are `counts` [V] plausibly draws from `probs` [V]? (chapter 07)
+
+    The bins expected to hold the fewest draws are pooled into one until it expects `min_expected`
+    (the usual condition for the chi-squared approximation to hold). Then
+    statistic = sum (observed - expected)^2 / expected over the bins, with bins - 1 degrees of freedom,
+    and p-value = P(chi2 >= statistic) = Q(dof / 2, statistic / 2),
+    the regularised upper incomplete gamma function. A small p-value (say < 0.01) says the counts do
+    not come from probs. A draw in a bin of probability 0 makes the p-value 0.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    if counts.shape != probs.shape:
+        raise ValueError(f"counts and probs need one entry per outcome: got {counts.numel()} and {probs.numel()}.")
+    n = counts.sum()
+    if n <= 0:
+        raise ValueError("no draws to test: counts sum to 0.")
+    if (counts[probs == 0] > 0).any():
+        return float("inf"), 0, 0.0
+    expected = probs / probs.sum() * n
+    order = expected.argsort()  # the smallest bins first: pool them until the pool expects min_expected draws
+    expected, counts = expected[order], counts[order]
+    m = int((expected < min_expected).sum())
+    while 0 < m < len(expected) and expected[:m].sum() < min_expected:
+        m += 1
+    if m > 1:
+        expected = torch.cat([expected[:m].sum()[None], expected[m:]])
+        counts = torch.cat([counts[:m].sum()[None], counts[m:]])
+    keep = expected > 0
+    observed, expected = counts[keep], expected[keep]
+    dof = observed.numel() - 1
+    if dof < 1:
+        raise ValueError("fewer than two bins with draws expected: draw more samples.")
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(statistic / 2, dtype=torch.float64)))
+    return statistic, dof, p_value

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,10 @@ from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from minillm.engine import LLMEngine
+    from minillm.speculative import SpeculativeConfig, SpeculativeStats
 
 
 @dataclass
@@ -56,6 +61,7 @@ class GenerationOutput:
     token_times_s: list[float] = field(repr=False)  # when each token was ready, since the call began
     logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
     top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
+    speculative: SpeculativeStats | None = None  # with speculative=...: what was drafted and accepted (chapter 07)
 
     @property
     def ttft_s(self) -> float:
@@ -209,8 +215,10 @@ def generate_stream(
     params: SamplingParams | None = None,
     tokenizer: Tokenizer | None = None,
     use_cache: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> Iterator[StreamChunk]:
-    """Generate for one prompt, yielding each token as soon as it is sampled.
+    """Generate for one prompt, yielding each token as soon as it is sampled (a verify step of speculative
+    decoding may yield several at once).
 
     With `use_cache=False` every step recomputes the whole sequence (the reference loop).
     """
@@ -218,21 +226,35 @@ def generate_stream(
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    return _stream(model, ids, params, tokenizer, use_cache, start)
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative)
+    return _stream(model, ids, params, tokenizer, engine, start)
+
+
+def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
+                use_cache: bool, speculative: SpeculativeConfig | None) -> LLMEngine | None:
+    """The engine of chapter 05 sized for this one request, or None for the reference loop without a cache."""
+    if not use_cache:
+        if speculative is not None:
+            raise ValueError("speculative decoding verifies drafts against the KV cache: drop use_cache=False.")
+        return None
+    from minillm.engine import LLMEngine
+
+    return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative)
 
 
 def _stream(
     model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-    use_cache: bool, start: float,
+    engine: LLMEngine | None, start: float,
 ) -> Iterator[StreamChunk]:
     """The loop, on prompt ids `prepare_prompt` already checked; times count from `start`.
 
-    With the cache, this is the engine's loop (chapter 05) serving one request: a paged KV cache of
+    With an engine, this is the engine's loop (chapter 05) serving one request: a paged KV cache of
     just the blocks this request needs, the whole prompt prefilled in one step, then one decode step
-    per token. Without, the reference loop below recomputes the whole sequence every step.
+    per token (or per verify step). Without, the reference loop below recomputes the whole sequence
+    every step.
     """
-    if use_cache:
-        yield from _stream_on_engine(model, ids, params, tokenizer, start)
+    if engine is not None:
+        yield from _stream_on_engine(engine, ids, params, start)
         return
     device = model.device
     generator = None
@@ -257,23 +279,26 @@ def _stream(
         sequence = torch.cat([sequence, token[:, None]], dim=1)
 
 
-def _stream_on_engine(
-    model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, start: float
-) -> Iterator[StreamChunk]:
-    """One request through `minillm.engine.LLMEngine`, its outputs as StreamChunks."""
-    from minillm.engine import LLMEngine
+def _stream_on_engine(engine: LLMEngine, ids: list[int], params: SamplingParams, start: float
+                      ) -> Iterator[StreamChunk]:
+    """One request through `minillm.engine.LLMEngine`, its outputs as StreamChunks, one per token.
 
-    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
+    A step's new text comes whole with its last token (a verify step of chapter 07 may add several).
+    """
     request_id = engine.add_request("generate", ids, params, arrival_time=start)
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
-                yield StreamChunk(
-                    out.new_token_ids[0], out.new_text, out.token_times_s[-1],
-                    out.finish_reason if out.finished else None,
-                    out.logprobs[-1] if out.logprobs is not None else None,
-                    out.top_logprobs[-1] if out.top_logprobs is not None else None,
-                )
+                n = len(out.new_token_ids)
+                for j, token in enumerate(out.new_token_ids):
+                    i = len(out.token_ids) - n + j  # its index in the completion
+                    final = j == n - 1
+                    yield StreamChunk(
+                        token, out.new_text if final else "", out.token_times_s[i],
+                        out.finish_reason if out.finished and final else None,
+                        out.logprobs[i] if out.logprobs is not None else None,
+                        out.top_logprobs[i] if out.top_logprobs is not None else None,
+                    )
     finally:  # the caller stopped reading early: free the request
         engine.abort_request(request_id)
 
@@ -284,8 +309,13 @@ def generate(
     params: SamplingParams | None = None,
     tokenizer: Tokenizer | None = None,
     use_cache: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> GenerationOutput:
     """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
+
+    With `speculative` (`minillm.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
+    the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
+    and `out.speculative` says how many drafts were accepted.
 
     Example:
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
@@ -295,7 +325,8 @@ def generate(
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    chunks = list(_stream(model, ids, params, tokenizer, use_cache, start))
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative)
+    chunks = list(_stream(model, ids, params, tokenizer, engine, start))
     return GenerationOutput(
         prompt_token_ids=ids,
         token_ids=[c.token_id for c in chunks],
@@ -304,6 +335,7 @@ def generate(
         token_times_s=[c.time_s for c in chunks],
         logprobs=[c.logprob for c in chunks] if params.logprobs is not None else None,
         top_logprobs=[c.top_logprobs for c in chunks] if params.logprobs is not None else None,
+        speculative=engine.spec_stats if speculative is not None else None,
     )
 
 

@@ -178,6 +178,12 @@ class BlockAllocator:
         self.free(block)
         return fresh
 
+    def uncache(self, block: int) -> None:
+        """`block` is about to be overwritten in place: it no longer holds its named full block."""
+        block_hash = self.block_hashes.pop(block, None)
+        if block_hash is not None and self.cached_blocks.get(block_hash) == block:
+            del self.cached_blocks[block_hash]
+
     def match_prefix(self, hashes: Sequence[str]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes` (a chain), each now held by one more table.
 
@@ -337,6 +343,30 @@ class PagedKVCache:
             raise KeyError(f"no sequence {seq_id!r} in the cache to free.")
         for block in reversed(table.block_ids):
             self.allocator.free(block)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` positions of `seq_id`: the rollback of speculative decoding (chapter 07).
+
+        The target wrote keys and values for every draft token it checked; those it rejected must go.
+        Blocks past the kept positions return to the pool. If the last kept block was full and named in
+        the prefix cache, and this sequence alone holds it, it leaves the prefix cache, because the next
+        tokens will overwrite its tail in place (a shared one is copied before the write instead).
+        """
+        table = self._table(seq_id)
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"sequence {seq_id!r} holds {table.num_tokens} tokens: cannot keep {num_tokens}.")
+        bs = self.block_size
+        keep_blocks = -(-num_tokens // bs)
+        for block in reversed(table.block_ids[keep_blocks:]):
+            self.allocator.free(block)
+        del table.block_ids[keep_blocks:]
+        del table.token_ids[num_tokens:]
+        full = num_tokens // bs
+        if len(table.block_hashes) > full:
+            del table.block_hashes[full:]
+            last = table.block_ids[full] if full < len(table.block_ids) else None
+            if last is not None and self.allocator.ref_counts[last] == 1:
+                self.allocator.uncache(last)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src`'s keys and values into block `dst`, in every layer (copy-on-write)."""

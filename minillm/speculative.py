@@ -1,0 +1,345 @@
+"""Speculative decoding: a cheap drafter guesses k tokens, the target checks them all in one forward (chapter 07).
+
+A decode step of a large model is memory-bound: it reads every weight to produce one token, and
+scoring k + 1 positions in one forward costs about the same. So a cheap *drafter* proposes k tokens
+x_1..x_k, the *target* scores all k + 1 positions at once, and the *verify* step keeps a prefix of
+the draft plus one token of the target's own:
+
+    draft      x_1 ~ q_1, ..., x_k ~ q_k             (q_i: the drafter's distribution at position i)
+    target     p_1, ..., p_{k+1}                      one forward over [last token, x_1, ..., x_k]
+    verify     accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), in order;
+               at the first rejection, emit y ~ norm(max(0, p_i - q_i)) and stop;
+               if all k pass, emit a bonus y ~ p_{k+1}.
+
+Every token emitted this way is distributed exactly as the target's own sample would be (Leviathan
+et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling"); chapter 07 proves it and
+`tests/test_speculative.py` checks it with a chi-squared test. At temperature 0 the rule becomes:
+accept while the draft equals the target's argmax (`verify_greedy`), so the output is greedy
+decoding's, token for token.
+
+The pieces:
+
+* `residual_distribution`, `verify`, `verify_greedy`: the acceptance rule on probability rows.
+* `Draft` and the `Drafter` interface: `propose` k tokens for each of a batch of sequences, and
+  `release` a finished one. Two drafters:
+  - `DraftModelDrafter`: a small model of the same vocabulary (the shipped `DEFAULT_DRAFT`), with
+    its own paged KV cache, rolled back to whatever the target accepted;
+  - `NgramDrafter`: prompt lookup, no second model: if the last n tokens appeared earlier in the
+    context, propose what followed them then.
+  A Medusa- or EAGLE-style head is a third kind of drafter: it proposes from the target's own hidden
+  state; it plugs into the same interface (chapter 07 draws it).
+* `SpeculativeConfig`: a drafter and k, given to `minillm.engine.LLMEngine(speculative=...)`, or to
+  `minillm.generate(..., speculative=...)`. The engine's step runs the verify forward for its decode
+  rows and rolls back the rejected positions with `PagedKVCache.truncate`.
+* `SpeculativeStats`: what was proposed and accepted, per draft position, and tokens per target forward.
+
+The expected number of tokens per target forward, (1 - alpha^(k+1)) / (1 - alpha), and the speed-up
+with a draft of relative cost c are `minillm.metrics.expected_tokens_per_step` and
+`minillm.metrics.speculative_speedup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from minillm.metrics import kv_blocks
+from minillm.model import Transformer
+from minillm.paging import BLOCK_SIZE, NoFreeBlocksError, PagedKVCache, paged_forward
+from minillm.sampling import SamplingParams, process_logits
+
+
+# ------------------------------------------------------------------ the acceptance rule
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): where the target puts more mass than the drafter, renormalised [..., V].
+
+    Sampling from it after a rejection gives back exactly the mass the acceptance test took away.
+    Where p <= q everywhere (only when p == q, and then nothing is ever rejected) it returns p.
+    """
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def verify(
+    p: torch.Tensor,
+    draft_tokens: Sequence[int],
+    q: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Speculative sampling's verify step for one sequence: the tokens to emit (accepted drafts + one).
+
+    Args:
+        p: [k + 1, V] the target's probabilities at the k draft positions and after the last one.
+        draft_tokens: the k proposed ids; draft_tokens[i] was drawn from q[i].
+        q: [k, V] the drafter's probabilities, or None for a deterministic drafter (q[i] is one-hot at
+            draft_tokens[i]: n-gram lookup, greedy drafting).
+        generator: the sequence's random generator (on p's device).
+
+    Returns:
+        draft_tokens[:a] + [y]: the a accepted drafts, then y ~ residual(p[a], q[a]) at the first
+        rejection, or y ~ p[k] (the bonus token) when all k are accepted. Between 1 and k + 1 tokens.
+    """
+    k = len(draft_tokens)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"p must have one row per draft token plus one, {k + 1}, got {p.shape[0]}.")
+    if q is not None and q.shape[0] != k:
+        raise ValueError(f"q must have one row per draft token, {k}, got {q.shape[0]}.")
+    for i, x in enumerate(draft_tokens):
+        q_x = 1.0 if q is None else float(q[i, x])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * q_x < float(p[i, x]):  # u < p(x) / q(x), i.e. accepted with probability min(1, p(x) / q(x))
+            continue
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p)
+        y = torch.multinomial(residual_distribution(p[i], q_i), 1, generator=generator)
+        return [int(t) for t in draft_tokens[:i]] + [int(y)]
+    return [int(t) for t in draft_tokens] + [int(torch.multinomial(p[k], 1, generator=generator))]
+
+
+def verify_greedy(target_tokens: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:
+    """The verify step at temperature 0: accept drafts while they equal the target's argmax.
+
+    target_tokens: the target's argmax at each of the k + 1 positions. Returns the accepted drafts,
+    then the target's own token at the first mismatch (or the bonus token after all k): exactly what
+    greedy decoding would have produced, one token at a time.
+    """
+    if len(target_tokens) != len(draft_tokens) + 1:
+        raise ValueError(f"need the target's token at {len(draft_tokens) + 1} positions, got {len(target_tokens)}.")
+    out = []
+    for x, y in zip(draft_tokens, target_tokens):
+        if x != y:
+            break
+        out.append(int(x))
+    return out + [int(target_tokens[len(out)])]
+
+
+def target_probabilities(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+    draft_tokens: Sequence[int],
+) -> torch.Tensor:
+    """The target's sampling distribution at each verify position, [k + 1, V] float32.
+
+    Row i is what `minillm.sampling.sample` would draw from after output_ids + draft_tokens[:i]: every
+    processor of chapter 01 applies (penalties, temperature, top-k, top-p, min-p). logits [k + 1, V]
+    are the target's raw logits at those positions. Greedy params give rows whose argmax is the token.
+    """
+    n = logits.shape[0]
+    outputs = [list(output_ids) + list(draft_tokens[:i]) for i in range(n)]
+    return process_logits(logits, [params] * n, [prompt_ids] * n, outputs).softmax(dim=-1)
+
+
+# ------------------------------------------------------------------ drafters
+@dataclass
+class Draft:
+    """A drafter's proposal for one sequence: up to k token ids and the distribution each came from.
+
+    probs [len(tokens), V] is q, the drafter's distribution at each position, or None when the drafter
+    is deterministic (q is one-hot at each proposed token). An empty draft means a plain decode step.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the engine asks of a drafter (a draft model, n-gram lookup, or a Medusa/EAGLE-style head)."""
+
+    def propose(
+        self, seq_ids: Sequence[Hashable], contexts: Sequence[list[int]], params: Sequence[SamplingParams],
+        num_tokens: Sequence[int], generators: Sequence[torch.Generator | None],
+    ) -> list[Draft]:
+        """Up to num_tokens[i] tokens to follow contexts[i] (prompt + output so far) of sequence seq_ids[i]."""
+        ...
+
+    def release(self, seq_id: Hashable) -> None:
+        """The sequence ended: forget anything kept for it."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the context's last n tokens.
+
+    Tries n = max_n down to min_n and stops at the first n with a match. No second model, no state:
+    it shines where the output repeats its input (code edits, quoting, summaries with copied spans)
+    and proposes nothing on free text. Deterministic, so q is one-hot and a draft token x is accepted
+    with probability p(x). (As vLLM's "ngram" method, prompt_lookup_max / prompt_lookup_min.)
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}.")
+        self.max_n, self.min_n = max_n, min_n
+
+    def lookup(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        L = len(context)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = list(context[L - n:])
+            for start in range(L - n - 1, -1, -1):  # latest occurrence first, not the suffix itself
+                if list(context[start: start + n]) == suffix:
+                    return list(context[start + n: start + n + k])
+        return []
+
+    def propose(self, seq_ids, contexts, params, num_tokens, generators) -> list[Draft]:  # noqa: ANN001 - Drafter
+        return [Draft(self.lookup(c, k)) if k > 0 else Draft([]) for c, k in zip(contexts, num_tokens)]
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A small model of the target's vocabulary drafts k tokens autoregressively, on its own paged KV cache.
+
+    Each `propose` rolls the draft's cache back to the longest prefix it shares with the context (the
+    target may have rejected some of the last drafts), runs the rest of the context in one forward,
+    then k - 1 decode steps: k forwards for k drafts. Greedy rows draft the argmax (q one-hot); the
+    others sample from q, the draft's logits under the row's temperature, top-k, top-p and min-p.
+    Penalties are left out of q: any q keeps the output exact, a closer q only raises acceptance.
+
+    Args:
+        model: the draft model; its vocabulary must be the target's.
+        num_blocks: blocks in the draft's KV pool (default: 64 sequences of its full context). A row the
+            pool cannot hold gets an empty draft (a plain decode step) instead of an error.
+    """
+
+    def __init__(self, model: Transformer, num_blocks: int | None = None, block_size: int = BLOCK_SIZE) -> None:
+        self.model = model
+        if num_blocks is None:
+            num_blocks = 64 * kv_blocks(model.config.max_seq_len, block_size)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
+                                  enable_prefix_caching=False)
+
+    def release(self, seq_id: Hashable) -> None:
+        if seq_id in self.cache.block_tables:
+            self.cache.free(seq_id)
+
+    def _catch_up(self, seq_id: Hashable, context: list[int]) -> list[int]:
+        """Roll the cache back to its longest common prefix with context[:-1]; the tokens left to run."""
+        if seq_id not in self.cache.block_tables:
+            self.cache.add_sequence(seq_id)
+        cached = self.cache.block_tables[seq_id].token_ids
+        keep = 0
+        limit = min(len(cached), len(context) - 1)  # at least the last token runs: its logits draft x_1
+        while keep < limit and cached[keep] == context[keep]:
+            keep += 1
+        self.cache.truncate(seq_id, keep)
+        return context[keep:]
+
+    @torch.inference_mode()
+    def propose(self, seq_ids, contexts, params, num_tokens, generators) -> list[Draft]:  # noqa: ANN001 - Drafter
+        if any(len(c) + k > self.model.config.max_seq_len for c, k in zip(contexts, num_tokens)):
+            raise ValueError(f"the draft model's context is {self.model.config.max_seq_len} tokens, shorter than "
+                             "a sequence to draft for: use a draft model with the target's context length.")
+        drafts = [Draft([], []) for _ in seq_ids]  # probs collected as a list of rows, stacked at the end
+        rows = [i for i, k in enumerate(num_tokens) if k > 0]
+        feed = {i: self._catch_up(seq_ids[i], list(contexts[i])) for i in rows}
+        while rows:
+            try:
+                logits = paged_forward(self.model, self.cache, [seq_ids[i] for i in rows], [feed[i] for i in rows])
+            except NoFreeBlocksError:  # the draft's pool is full: draft nothing for the longest of these rows
+                drop = max(rows, key=lambda i: len(contexts[i]))
+                self.release(seq_ids[drop])
+                drafts[drop] = Draft([], [])
+                rows.remove(drop)
+                continue
+            row_params = [_without_penalties(params[i]) for i in rows]
+            q = process_logits(logits, row_params).softmax(dim=-1)  # [len(rows), V]
+            for j, i in enumerate(rows):
+                if row_params[j].greedy:
+                    token = int(q[j].argmax())
+                else:
+                    token = int(torch.multinomial(q[j], 1, generator=generators[i]))
+                drafts[i].tokens.append(token)
+                drafts[i].probs.append(None if row_params[j].greedy else q[j])
+                feed[i] = [token]
+            rows = [i for i in rows if len(drafts[i].tokens) < num_tokens[i]]
+        for d in drafts:  # q: stacked rows, or None for greedy (deterministic) drafts
+            d.probs = torch.stack(d.probs) if d.probs and d.probs[0] is not None else None
+        return drafts
+
+
+def _without_penalties(params: SamplingParams) -> SamplingParams:
+    """The draft's q uses the row's temperature and filters, not its penalties (they need the output so far)."""
+    if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+        return params
+    return dataclasses.replace(params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+
+
+# ------------------------------------------------------------------ configuration and statistics
+@dataclass
+class SpeculativeStats:
+    """What speculation did, summed over verify steps (one row of one target forward is one step).
+
+    Per draft position i (0-based): proposed_at[i] steps proposed a token there, reached_at[i] of them
+    got to check it (drafts 0..i-1 all accepted), and accepted_at[i] accepted it.
+    """
+
+    num_steps: int = 0  # verify steps: a row in a target forward that had drafts to check
+    num_emitted: int = 0  # tokens those steps emitted: accepted drafts + one of the target's per step
+    proposed_at: list[int] = field(default_factory=list)
+    reached_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        """One verify step: num_proposed drafts, of which the first num_accepted were accepted."""
+        for counts in (self.proposed_at, self.reached_at, self.accepted_at):
+            counts += [0] * (num_proposed - len(counts))
+        for i in range(num_proposed):
+            self.proposed_at[i] += 1
+            self.reached_at[i] += i <= num_accepted
+            self.accepted_at[i] += i < num_accepted
+        self.num_steps += 1
+        self.num_emitted += num_accepted + 1
+
+    @property
+    def num_proposed(self) -> int:
+        return sum(self.proposed_at)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_at)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts; nan before any."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else float("nan")
+
+    @property
+    def alpha_by_position(self) -> list[float]:
+        """alpha_i = P(draft i accepted | it was checked, i.e. drafts 0..i-1 were accepted); nan where none was."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached_at)]
+
+    @property
+    def alpha(self) -> float:
+        """Accepted / checked drafts: the per-token acceptance rate the formula (1 - a^(k+1)) / (1 - a) uses."""
+        reached = sum(self.reached_at)
+        return self.num_accepted / reached if reached else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per verify step (per target forward of one sequence); nan before any."""
+        return self.num_emitted / self.num_steps if self.num_steps else float("nan")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding for an engine: a drafter, and k = num_speculative_tokens drafts per step (vLLM's name).
+
+    A row drafts at most k tokens, fewer near its max_tokens. Example:
+        >>> spec = SpeculativeConfig(DraftModelDrafter(draft_model), num_speculative_tokens=4)
+        >>> out = minillm.generate(target, "To be", params, tokenizer, speculative=spec)
+        >>> out.speculative.acceptance_rate, out.speculative.tokens_per_step
+    """
+
+    drafter: Drafter
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}.")

@@ -1,0 +1,314 @@
+"""minillm.speculative (chapter 07): speculative decoding must not change what the target generates.
+
+At temperature 0 that is checked token for token against plain greedy decoding, through `generate` and
+through the batched engine. At a temperature it is a statement about distributions, so it is checked by
+a chi-squared test (`minillm.eval.chi_squared_test`, p > 0.01): on random small-vocabulary p and q, and
+on the shipped target and draft end to end, where the exact distribution of the first tokens can be
+enumerated. Each statistical test is run once more with a wrong rule (accept every draft) and must then
+fail, so the test can tell a lossless rule from a lossy one. The rollback leaves the target's cache as a
+fresh one computed from the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import minillm
+from minillm import speculative
+from minillm.engine import LLM
+from minillm.eval import chi_squared_test
+from minillm.paging import PagedKVCache, paged_forward
+from minillm.sampling import SamplingParams
+from minillm.speculative import (
+    Draft,
+    DraftModelDrafter,
+    NgramDrafter,
+    SpeculativeConfig,
+    SpeculativeStats,
+    residual_distribution,
+    verify,
+    verify_greedy,
+)
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return minillm.load(minillm.DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return minillm.load(minillm.DEFAULT_DRAFT)[0]
+
+
+def accept_always(p, draft_tokens, q=None, generator=None):
+    """A wrong rule: keep every draft, then the bonus token. Its output follows q, not p."""
+    return list(draft_tokens) + [int(torch.multinomial(p[len(draft_tokens)], 1, generator=generator))]
+
+
+# ---------------------------------------------------------------- the rule on small distributions
+def _simulate(rule, P: torch.Tensor, Q: torch.Tensor,  # noqa: N803 - the target's and draft's tables
+               k: int, trials: int, seed: int) -> torch.Tensor:
+    """Counts [positions, V] of the tokens emitted at each position by repeated draft-verify steps, where the
+    target's distribution at position t is P[t] and the draft's Q[t], whatever came before."""
+    n, V = P.shape
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(n, V)
+    for _ in range(trials):
+        t = 0
+        while t < n:
+            d = min(k, n - 1 - t)
+            drafts = [int(torch.multinomial(Q[t + i], 1, generator=g)) for i in range(d)]
+            for token in rule(P[t: t + d + 1], drafts, Q[t: t + d], g):
+                counts[t, token] += 1
+                t += 1
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_samples_follow_the_target_distribution(k):
+    g = torch.Generator().manual_seed(k)
+    V, n = 6, 4
+    P = torch.rand(n, V, generator=g).pow(3).softmax(-1) ** 2
+    P = P / P.sum(-1, keepdim=True)
+    Q = torch.rand(n, V, generator=g).softmax(-1)
+    Q[:, 0] = 0  # the draft never proposes token 0, which the target does: only the residual can emit it
+    Q = Q / Q.sum(-1, keepdim=True)
+    counts = _simulate(verify, P, Q, k, trials=3000, seed=k)
+    for t in range(n):
+        _, _, p_value = chi_squared_test(counts[t], P[t])
+        assert p_value > 0.01, f"position {t}: speculative samples do not follow p (p-value {p_value:.2g})"
+    wrong = _simulate(accept_always, P, Q, k, trials=3000, seed=k)
+    worst = min(chi_squared_test(wrong[t], P[t])[2] for t in range(n - 1))
+    assert worst < 1e-6, f"accepting every draft must fail the test, yet its lowest p-value is {worst:.2g}"
+
+
+def test_residual_distribution_and_deterministic_drafts():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(residual_distribution(p, p), p)  # nothing is ever rejected; any answer is safe
+    # A deterministic draft (q one-hot) is accepted with probability p(x); on rejection, x is never emitted.
+    g = torch.Generator().manual_seed(0)
+    P = p.expand(2, 3)
+    outs = [tuple(verify(P, [1], None, g)) for _ in range(4000)]
+    accepted = sum(o[0] == 1 and len(o) == 2 for o in outs) / len(outs)
+    assert abs(accepted - 0.3) < 0.03
+    assert all(o[0] != 1 for o in outs if len(o) == 1)
+
+
+def test_verify_greedy_and_shapes():
+    assert verify_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]  # all accepted, plus the bonus
+    assert verify_greedy([5, 9, 7], [5, 6]) == [5, 9]  # the first mismatch is replaced by the target's token
+    assert verify_greedy([4], []) == [4]
+    with pytest.raises(ValueError, match="positions"):
+        verify_greedy([1, 2], [1, 2])
+    with pytest.raises(ValueError, match="one row per draft token plus one"):
+        verify(torch.full((2, 4), 0.25), [1, 2])
+
+
+def test_stats_per_position():
+    s = SpeculativeStats()
+    s.record(4, 4)
+    s.record(4, 1)
+    s.record(2, 0)
+    assert s.proposed_at == [3, 3, 2, 2] and s.accepted_at == [2, 1, 1, 1] and s.reached_at == [3, 2, 1, 1]
+    assert s.alpha_by_position == [2 / 3, 1 / 2, 1.0, 1.0]
+    assert s.num_emitted == 5 + 2 + 1 and s.tokens_per_step == 8 / 3
+    assert s.acceptance_rate == 5 / 10 and s.alpha == 5 / 7
+
+
+# ---------------------------------------------------------------- drafters
+def test_ngram_lookup():
+    d = NgramDrafter(max_n=3, min_n=1)
+    assert d.lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # the trigram 1 2 3 was followed by 9 1 2
+    assert d.lookup([1, 2, 3, 4, 7, 2, 3, 5, 2, 3], 2) == [5, 2]  # the latest earlier occurrence wins
+    assert d.lookup([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert d.lookup([7, 7], 3) == [7]
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(max_n=1, min_n=2)
+
+
+def test_draft_model_rolls_back_to_the_context(draft):
+    ids = minillm.load(minillm.DEFAULT_DRAFT)[1].encode(PROMPT)
+    greedy = [SamplingParams(temperature=0)]
+    drafter = DraftModelDrafter(draft, num_blocks=32)
+    first = drafter.propose(["s"], [ids], greedy, [5], [None])[0]
+    assert len(first.tokens) == 5 and first.probs is None
+    # The target took two drafts and then something else: the drafter must continue from that context,
+    # exactly as a fresh drafter would.
+    context = ids + first.tokens[:2] + [(first.tokens[2] + 1) % draft.config.vocab_size]
+    again = drafter.propose(["s"], [context], greedy, [4], [None])[0]
+    fresh = DraftModelDrafter(draft, num_blocks=32).propose(["s"], [context], greedy, [4], [None])[0]
+    assert again.tokens == fresh.tokens
+    assert drafter.cache.num_tokens("s") == len(context) + 3  # the context and 3 of its 4 drafts
+    drafter.release("s")
+    assert drafter.cache.allocator.num_free_blocks == 32
+
+
+def test_sampled_drafts_carry_their_distribution(draft):
+    drafter = DraftModelDrafter(draft, num_blocks=32)
+    params = SamplingParams(temperature=0.7, top_k=20)
+    out = drafter.propose(["a"], [[1, 2, 3]], [params], [3], [torch.Generator().manual_seed(0)])[0]
+    assert out.probs.shape == (3, draft.config.vocab_size)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(3))
+    assert all(out.probs[i, t] > 0 for i, t in enumerate(out.tokens))
+    assert ((out.probs > 0).sum(-1) <= 20).all()  # the row's top-k applies to q
+
+
+# ---------------------------------------------------------------- the engine, greedy: token for token
+@pytest.mark.parametrize("make", [lambda d: DraftModelDrafter(d), lambda d: NgramDrafter()], ids=["draft", "ngram"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_greedy(target, draft, make, k):
+    model, tok = target
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=1, repetition_penalty=1.1)
+    plain = minillm.generate(model, PROMPT, params, tok)
+    spec = minillm.generate(model, PROMPT, params, tok, speculative=SpeculativeConfig(make(draft), k))
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert torch.allclose(torch.tensor(spec.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
+    assert spec.speculative.num_steps > 0 and spec.speculative.tokens_per_step > 1
+    assert len(spec.token_times_s) == len(spec.token_ids)
+
+
+def test_batched_speculation_equals_plain_batch(target, draft):
+    model, tok = target
+    prompts = [PROMPT, "KING HENRY:\nOnce more unto the breach", "To be, or not to be", "JULIET:\n"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 7, 19, 2)]
+    plain = LLM(model, tok).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 3))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [len(o.token_ids) for o in spec] == [30, 7, 19, 2]  # never past max_tokens
+    engine = llm.engine
+    assert engine.cache.allocator.num_free_blocks == engine.cache.allocator.num_blocks
+    assert not engine.speculative.drafter.cache.block_tables  # the drafter let go of every sequence
+
+
+def test_rollback_leaves_the_cache_as_a_fresh_one(target, draft):
+    """Mid-generation, after verify steps that rejected drafts, every cached position holds what a fresh
+    cache computed from the accepted tokens holds, and no block is held past them."""
+    model, tok = target
+    llm = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 5), num_blocks=40)
+    engine = llm.engine
+    rid = engine.add_request(None, PROMPT, SamplingParams(temperature=0, max_tokens=60))
+    for _ in range(6):
+        engine.step()
+    request = engine.scheduler.requests[rid]
+    assert engine.spec_stats.num_proposed > engine.spec_stats.num_accepted  # some drafts were rolled back
+    n = request.num_computed_tokens
+    table = engine.cache.block_tables[rid]
+    assert table.token_ids == request.all_token_ids[:n]
+    assert len(table.block_ids) == -(-n // engine.cache.block_size)
+    fresh = PagedKVCache(model.config, 40, enable_prefix_caching=False)
+    fresh.add_sequence("f")
+    paged_forward(model, fresh, ["f"], [request.all_token_ids[:n]])
+    for layer in range(model.config.n_layers):
+        for ours, theirs in zip(engine.cache.gather(rid, layer), fresh.gather("f", layer)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_truncate_frees_blocks_and_forgets_overwritten_prefix_blocks():
+    config = minillm.ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=50)
+    cache = PagedKVCache(config, num_blocks=8, block_size=4)
+    cache.add_sequence("a")
+    cache.prepare(["a"], [list(range(10))]).advance(10)  # blocks: 2 full (named), one with 2 tokens
+    assert len(cache.allocator.cached_blocks) == 2
+    cache.truncate("a", 6)  # the second full block is now half full: its name must go
+    assert len(cache.block_tables["a"].block_ids) == 2 and cache.allocator.num_free_blocks == 6
+    assert len(cache.allocator.cached_blocks) == 1
+    assert cache.add_sequence("b", list(range(9))) == 4  # only the first block can be reused
+    with pytest.raises(ValueError, match="cannot keep"):
+        cache.truncate("a", 7)
+
+
+def test_bad_configuration_is_refused(target, draft):
+    model, tok = target
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(NgramDrafter(), 0)
+    with pytest.raises(ValueError, match="use_cache"):
+        minillm.generate(model, PROMPT, SamplingParams(max_tokens=4), tok, use_cache=False,
+                         speculative=SpeculativeConfig(NgramDrafter(), 2))
+
+
+class _TooMany:
+    def propose(self, seq_ids, contexts, params, num_tokens, generators):
+        return [Draft([1] * (k + 1)) for k in num_tokens]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_a_drafter_that_overshoots_is_caught(target):
+    model, tok = target
+    with pytest.raises(ValueError, match="proposed"):
+        minillm.generate(model, PROMPT, SamplingParams(max_tokens=5), tok, speculative=SpeculativeConfig(_TooMany(), 2))
+
+
+# ---------------------------------------------------------------- the shipped models, at a temperature
+def _pair_distribution(model, ids: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """The exact distribution of the first two generated tokens under params (top-k keeps it enumerable)."""
+    def probs(context):
+        with torch.inference_mode():
+            logits = model(torch.tensor([context]))[0, -1:]
+        return speculative.target_probabilities(logits, params, ids, context[len(ids):], [])[0]
+
+    first = probs(ids)
+    out = {}
+    for t1 in first.nonzero().flatten().tolist():
+        second = probs(ids + [t1])
+        for t2 in second.nonzero().flatten().tolist():
+            out[t1, t2] = float(first[t1] * second[t2])
+    return out
+
+
+def _engine_pairs(model, tok, draft, ids, params, trials):
+    llm = LLM(model, tok, max_num_seqs=64, speculative=SpeculativeConfig(DraftModelDrafter(draft), 1))
+    runs = [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(trials)]
+    outs = llm.generate([ids] * trials, runs, use_tqdm=False)
+    assert llm.engine.spec_stats.num_steps == trials  # the second token came from a verify step every time
+    return [tuple(o.token_ids[:2]) for o in outs]
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact-rule", "accept-always"])
+def test_shipped_models_speculative_distribution(target, draft, monkeypatch, wrong):
+    """End to end through the engine: the first token is sampled after the prefill, the second by a verify
+    step of the shipped draft against the shipped target. Their joint distribution, over top_k = 4, must be
+    the target's own; with the accept-always rule the second token follows the draft and the test fails."""
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+    exact = _pair_distribution(model, ids, params)
+    if wrong:
+        monkeypatch.setattr("minillm.engine.verify", accept_always)
+    pairs = _engine_pairs(model, tok, draft, ids, params, trials=1200)
+    support = sorted(exact)
+    index = {pair: i for i, pair in enumerate(support)}
+    counts = torch.zeros(len(support) + 1)
+    for pair in pairs:
+        counts[index.get(pair, len(support))] += 1
+    probs = torch.tensor([exact[pair] for pair in support] + [0.0])
+    _, _, p_value = chi_squared_test(counts, probs)
+    if wrong:
+        assert p_value < 1e-4, f"the accept-always rule passed the test (p-value {p_value:.2g}): it has no power"
+    else:
+        assert p_value > 0.01, f"speculative samples of the shipped models do not follow the target (p {p_value:.2g})"
+
+
+def test_chi_squared_test_pools_small_bins_and_detects_impossible_draws():
+    probs = torch.tensor([0.5, 0.3, 0.199, 0.001])
+    stat, dof, p = chi_squared_test(torch.tensor([50.0, 30.0, 20.0, 0.0]), probs)
+    assert dof == 2 and stat < 0.01 and p > 0.99  # the 0.001 bin (0.1 expected) is pooled with its neighbour
+    assert chi_squared_test(torch.tensor([1.0, 0, 0, 0, 5]), torch.tensor([0.2, 0.2, 0.3, 0.3, 0.0]))[2] == 0.0
+    assert chi_squared_test(torch.tensor([90.0, 10.0]), torch.tensor([0.5, 0.5]))[2] < 1e-10
+
+
+def test_all_pairs_enumerated_sum_to_one(target):
+    model, tok = target
+    exact = _pair_distribution(model, tok.encode(PROMPT), SamplingParams(temperature=1.0, top_k=3))
+    assert len(exact) == 9 and abs(sum(exact.values()) - 1) < 1e-5
+    assert len(set(itertools.chain(*exact))) >= 3
