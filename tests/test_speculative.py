@@ -312,3 +312,21 @@ def test_all_pairs_enumerated_sum_to_one(target):
     exact = _pair_distribution(model, tok.encode(PROMPT), SamplingParams(temperature=1.0, top_k=3))
     assert len(exact) == 9 and abs(sum(exact.values()) - 1) < 1e-5
     assert len(set(itertools.chain(*exact))) >= 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_speculative_on_cuda(dtype):
+    """On the GPU the verify forward (k + 1 tokens, gathered keys) and the decode step take different kernels:
+    in fp32 the greedy output must still be plain greedy's; in bf16 it must agree at least until the first
+    near-tie, which we allow to differ only after the first 16 tokens."""
+    model, tok = minillm.load(minillm.DEFAULT_MODEL, device="cuda", dtype=dtype)
+    draft, _ = minillm.load(minillm.DEFAULT_DRAFT, device="cuda", dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = minillm.generate(model, PROMPT, params, tok)
+    spec = minillm.generate(model, PROMPT, params, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 4))
+    if dtype == torch.float32:
+        assert spec.token_ids == plain.token_ids
+    else:
+        assert spec.token_ids[:16] == plain.token_ids[:16]
+    assert spec.speculative.tokens_per_step > 1
