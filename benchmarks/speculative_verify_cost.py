@@ -1,0 +1,110 @@
+"""What verifying k drafts costs on a GPU, by batch size: the assumption under the speed-up formula (chapter 07).
+
+The formula E[tokens] / (1 + k c) takes one target forward over k + 1 tokens per sequence to cost
+one decode step. That holds while the step is memory-bound (the weights are read once, whatever the
+token count) and fails as the batch grows and the forward becomes compute-bound. Here, on Llama-3-8B
+(target) and Llama-3.2-1B (draft) shapes with random bf16 weights, each sequence with a 512-token
+context in minillm's paged cache, we time:
+
+* the target's forward over n = 1, 2, 3, 5, 9 new tokens per sequence (k = n - 1 drafts), as the engine
+  runs them (n = 1: `paged_forward`, the decode path; n > 1: the verify forward with every position's
+  logits), each rolled back with `PagedKVCache.truncate` and timed as the median of `--repeats`;
+* the draft's decode step, so that c = draft step / target step at the same batch.
+
+v_k = verify(k) / decode step. Random weights say nothing about acceptance: chapter 07 combines these
+costs with the alpha measured on the shipped models.
+
+    python benchmarks/speculative_verify_cost.py     # on a CUDA GPU: results/speculative_verify_cost_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from common import write_results
+from roofline import SHAPES
+
+from minillm.config import ModelConfig
+from minillm.model import Transformer
+from minillm.paging import PagedKVCache, paged_forward
+
+
+def build(shape: str) -> Transformer:
+    config = ModelConfig.from_hf({**SHAPES[shape], "max_position_embeddings": 4096})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Transformer(config).eval()
+    torch.set_default_dtype(default)
+    return model
+
+
+@torch.inference_mode()
+def forward_ms(model: Transformer, batch: int, context: int, news: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of one forward over n new tokens per sequence, for each n in news, at `context` cached tokens."""
+    blocks = batch * (-(-(context + max(news)) // 16)) + 1
+    cache = PagedKVCache(model.config, blocks, 16, "cuda", model.dtype, enable_prefix_caching=False)
+    ids = [f"s{b}" for b in range(batch)]
+    g = torch.Generator().manual_seed(0)
+    for seq in ids:
+        cache.add_sequence(seq)
+        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
+        paged_forward(model, cache, [seq], [prompt])
+    out = {}
+    for n in news:
+        def run(n: int = n) -> None:
+            if n == 1:
+                paged_forward(model, cache, ids, [[1]] * batch)
+            else:
+                view = cache.prepare(ids, [[1] * n] * batch)
+                model(view.tokens, cache=view)  # every position's logits, as the verify forward
+            for seq in ids:
+                cache.truncate(seq, context)
+
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        out[n] = statistics.median(times)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--news", type=int, nargs="+", default=[1, 2, 3, 5, 9])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark measures a GPU: run it where CUDA is available.")
+    target, draft = build("llama-8B"), build("llama-1B")
+    rows = []
+    for batch in args.batches:
+        t = forward_ms(target, batch, args.context, args.news, args.repeats)
+        d = forward_ms(draft, batch, args.context, [1], args.repeats)[1]
+        row = {"batch": batch, "target_ms": {str(n): ms for n, ms in t.items()}, "draft_step_ms": d, "c": d / t[1],
+               "v": {str(n - 1): ms / t[1] for n, ms in t.items() if n > 1}}
+        rows.append(row)
+        print(f"batch {batch:3d}: decode {t[1]:.2f} ms, draft {d:.2f} ms (c = {row['c']:.3f}); verify cost v_k: "
+              + ", ".join(f"k={k}: {v:.2f}" for k, v in row["v"].items()), flush=True)
+        torch.cuda.empty_cache()
+    path = write_results("speculative_verify_cost_cuda", {
+        "target": "llama-8B", "draft": "llama-1B", "dtype": "bfloat16", "context": args.context,
+        "weights": "random (costs only)", "rows": rows,
+    })
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
