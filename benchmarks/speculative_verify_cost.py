@@ -32,7 +32,8 @@ from minillm.paging import PagedKVCache, paged_forward
 
 
 def build(shape: str) -> Transformer:
-    config = ModelConfig.from_hf({**SHAPES[shape], "max_position_embeddings": 4096})
+    config = ModelConfig.from_hf({**SHAPES[shape], "max_position_embeddings": 4096, "model_type": "llama",
+                                  "architectures": ["LlamaForCausalLM"]})
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
