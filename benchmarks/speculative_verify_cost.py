@@ -11,8 +11,10 @@ context in minillm's paged cache, we time:
   logits), each rolled back with `PagedKVCache.truncate` and timed as the median of `--repeats`;
 * the draft's decode step, so that c = draft step / target step at the same batch.
 
-v_k = verify(k) / decode step. Random weights say nothing about acceptance: chapter 07 combines these
-costs with the alpha measured on the shipped models.
+v_k = verify(k) / decode step, from GPU kernel time (torch.profiler), which is what a CUDA-graph replay
+approaches; eager wall times are kept too, but at small batch they measure the host, not the GPU.
+Random weights say nothing about acceptance: chapter 07 combines these costs with the alpha
+measured on the shipped models.
 
     python benchmarks/speculative_verify_cost.py     # on a CUDA GPU: results/speculative_verify_cost_cuda.json
 """
@@ -24,7 +26,7 @@ import statistics
 
 import torch
 from common import write_results
-from roofline import SHAPES
+from roofline import SHAPES, profile_steps
 
 from minillm.config import ModelConfig
 from minillm.model import Transformer
@@ -43,8 +45,10 @@ def build(shape: str) -> Transformer:
 
 
 @torch.inference_mode()
-def forward_ms(model: Transformer, batch: int, context: int, news: list[int], repeats: int) -> dict[int, float]:
-    """Median ms of one forward over n new tokens per sequence, for each n in news, at `context` cached tokens."""
+def forward_ms(model: Transformer, batch: int, context: int, news: list[int], repeats: int) -> dict[int, dict]:
+    """One forward over n new tokens per sequence, for each n in news, at `context` cached tokens: the median wall
+    ms of the eager forward (host-bound for small batches) and its GPU kernel ms (torch.profiler: the time a
+    CUDA-graph replay approaches)."""
     blocks = batch * (-(-(context + max(news)) // 16)) + 1
     cache = PagedKVCache(model.config, blocks, 16, "cuda", model.dtype, enable_prefix_caching=False)
     ids = [f"s{b}" for b in range(batch)]
@@ -75,7 +79,8 @@ def forward_ms(model: Transformer, batch: int, context: int, news: list[int], re
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-        out[n] = statistics.median(times)
+        gpu_ms = profile_steps(run, n=repeats)["gpu_kernel_us"] / 1e3
+        out[n] = {"wall_ms": statistics.median(times), "gpu_ms": gpu_ms}
     return out
 
 
@@ -93,11 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batches:
         t = forward_ms(target, batch, args.context, args.news, args.repeats)
         d = forward_ms(draft, batch, args.context, [1], args.repeats)[1]
-        row = {"batch": batch, "target_ms": {str(n): ms for n, ms in t.items()}, "draft_step_ms": d, "c": d / t[1],
-               "v": {str(n - 1): ms / t[1] for n, ms in t.items() if n > 1}}
+        row = {"batch": batch, "target": {str(n): ms for n, ms in t.items()}, "draft_step": d}
+        for clock in ("gpu_ms", "wall_ms"):
+            row[f"c_{clock[:-3]}"] = d[clock] / t[1][clock]
+            row[f"v_{clock[:-3]}"] = {str(n - 1): ms[clock] / t[1][clock] for n, ms in t.items() if n > 1}
         rows.append(row)
-        print(f"batch {batch:3d}: decode {t[1]:.2f} ms, draft {d:.2f} ms (c = {row['c']:.3f}); verify cost v_k: "
-              + ", ".join(f"k={k}: {v:.2f}" for k, v in row["v"].items()), flush=True)
+        print(f"batch {batch:3d}: decode {t[1]['gpu_ms']:.2f} ms GPU ({t[1]['wall_ms']:.2f} wall), draft "
+              f"{d['gpu_ms']:.2f} ms GPU (c = {row['c_gpu']:.3f}); verify cost v_k (GPU): "
+              + ", ".join(f"k={k}: {v:.2f}" for k, v in row["v_gpu"].items()), flush=True)
         torch.cuda.empty_cache()
     path = write_results("speculative_verify_cost_cuda", {
         "target": "llama-8B", "draft": "llama-1B", "dtype": "bfloat16", "context": args.context,
