@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -756,3 +757,86 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
         failed = [r for r in result.results if not r.passed]
         assert failed and all(words in r.hint for r in failed), repr(result)
     assert math.isclose(get_task("05.goodput").reference([], 1.0, 1.0, 0.1), 0.0)
+
+
+def test_chapter_07_mistakes_get_hints_that_fit_them():
+    def res(normalise=True, swapped=False, clamp=True):
+        def residual(p, q):
+            r = q - p if swapped else p - q
+            if clamp:
+                r = r.clamp(min=0)
+            return r / r.sum() if normalise else r
+        return residual
+
+    assert run_task("07.residual", res()).passed
+    for wrong, words in [(res(normalise=False), "renormalise"), (res(swapped=True), "TARGET minus the drafter"),
+                         (res(clamp=False, normalise=False), "clamp at zero"),
+                         (res(clamp=False), "clamp at zero BEFORE")]:
+        result = run_task("07.residual", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+
+    def verify(accept="rule", bonus=True, resample="residual"):
+        def verify_step(p, q, draft_tokens, uniforms, residual_sample):
+            for i, x in enumerate(draft_tokens):
+                ok = {"rule": uniforms[i] < p[i, x] / q[i, x], "always": True, "p>q": p[i, x] > q[i, x]}[accept]
+                if not ok:
+                    r = (p[i] - q[i]).clamp(min=0)
+                    dist = r / r.sum() if resample == "residual" else p[i]
+                    return list(draft_tokens[:i]) + [residual_sample(dist)]
+            return list(draft_tokens) + ([residual_sample(p[len(draft_tokens)])] if bonus else [])
+        return verify_step
+
+    assert run_task("07.verify_step", verify()).passed
+    lossless = "lossless: 20,000 steps with real random draws (V = 5, k = 2); each emitted position's tokens follow " \
+               "the target's row, and the step lengths the acceptance rates (chi-squared, p = 0.001)"
+    for wrong, words in [(verify(accept="always"), "Keeping every draft"), (verify(accept="p>q"), "the test is random"),
+                         (verify(bonus=False), "the bonus"), (verify(resample="p"), "not from p[i]")]:
+        result = run_task("07.verify_step", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+        assert lossless in [r.name for r in failed], repr(result)
+        if words == "not from p[i]":
+            assert "expected [0, 0], after residual_sample(residual(p[1], q[1])); got [0, 1], after " \
+                   "residual_sample(p[1])" in failed[0].message
+
+    def tokens(kind="right"):
+        def expected_tokens(alpha, k):
+            if kind == "no_plus_one":
+                return (1 - alpha ** k) / (1 - alpha) if alpha != 1 else float(k)
+            if kind == "linear":
+                return alpha * k
+            if kind == "no_special_case":
+                return (1 - alpha ** (k + 1)) / (1 - alpha)
+            return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return expected_tokens
+
+    assert run_task("07.expected_tokens", tokens()).passed
+    for wrong, words in [(tokens("no_plus_one"), "k + 1 terms"), (tokens("linear"), "stops at the first rejection")]:
+        result = run_task("07.expected_tokens", wrong)
+        failed = [r for r in result.results if not r.passed and not r.name.startswith("alpha = 1:")]  # both give k
+        assert failed and all(words in r.hint for r in failed), repr(result)
+    by_name = {r.name: r for r in run_task("07.expected_tokens", tokens("no_special_case")).results}
+    alpha_one = by_name["alpha = 1: every draft passes, k + 1 tokens (no division by zero)"]
+    assert not alpha_one.passed and "ZeroDivisionError" in alpha_one.message and "0/0" in alpha_one.hint
+    assert sum(not r.passed for r in by_name.values()) == 1
+
+    def best(kind="right"):
+        def best_k(alpha, draft_cost, max_k=16):
+            e = tokens()
+            if kind == "max":
+                return max_k
+            if kind == "no_cost":
+                return max(range(1, max_k + 1), key=lambda k: e(alpha, k))
+            return max(range(1, max_k + 1), key=lambda k: e(alpha, k) / (1 + k * draft_cost))
+        return best_k
+
+    assert run_task("07.best_k", best()).passed
+    for wrong in (best("max"), best("no_cost")):
+        result = run_task("07.best_k", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all("the draft is not free" in r.hint for r in failed), repr(result)
+    assert math.isclose(get_task("07.expected_tokens").reference(0.8, 4), 3.3616)
+    assert torch.allclose(get_task("07.residual").reference(torch.tensor([0.5, 0.3, 0.1, 0.1]),
+                                                            torch.tensor([0.2, 0.2, 0.4, 0.2])),
+                          torch.tensor([0.75, 0.25, 0.0, 0.0]))
