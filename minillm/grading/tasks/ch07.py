@@ -360,6 +360,10 @@ _VERIFY_SUSPECTS: list[tuple[Callable, str]] = [
     (_verify_variant(accept="u<p"),
      f"divide by the drafter's probability: {_ACCEPT_RULE}. u < p(x) alone is the rule for a deterministic "
      "drafter only (q one-hot, q(x) = 1)."),
+    (_verify_variant(resample="p"),
+     "after a rejection, draw from the residual norm(max(0, p[i] - q[i])), not from p[i]: the acceptance test "
+     "already gives each token min(p, q), and only the rest, max(0, p - q), is missing. Resampling from p counts "
+     "the accepted mass twice, and the output is no longer distributed as p."),
     (_verify_variant(accept="u<p", resample="p"),
      f"that rule ignores the drafter: {_ACCEPT_RULE}, and after a rejection draw from the residual "
      "norm(max(0, p[i] - q[i])). Accepting with probability p(x) and resampling from p over-weights every token "
@@ -371,10 +375,6 @@ _VERIFY_SUSPECTS: list[tuple[Callable, str]] = [
     (_verify_variant(bonus="p[k-1]"),
      "the bonus comes from p[k], the target's row after the LAST draft (p has k + 1 rows); p[k - 1] is the row the "
      "last draft was checked against."),
-    (_verify_variant(resample="p"),
-     "after a rejection, draw from the residual norm(max(0, p[i] - q[i])), not from p[i]: the acceptance test "
-     "already gives each token min(p, q), and only the rest, max(0, p - q), is missing. Resampling from p counts "
-     "the accepted mass twice, and the output is no longer distributed as p."),
     (_verify_variant(resample="q"),
      "after a rejection, draw from the residual norm(max(0, p[i] - q[i])), not from the drafter's q[i]."),
     (_verify_variant(resample="unnormalised"),
