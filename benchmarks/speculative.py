@@ -95,19 +95,9 @@ def run_prompts(target, tok, prompts: list[str], params: SamplingParams, spec: S
         out = minillm.generate(target, prompt, p, tok, speculative=spec)
         tokens += len(out.token_ids)
         if spec is not None:
-            stats = out.speculative if stats is None else merge(stats, out.speculative)
+            stats = out.speculative if stats is None else stats.merge(out.speculative)
     sync(target.device)
     return time.perf_counter() - t0, tokens, stats
-
-
-def merge(a, b):  # noqa: ANN001, ANN201 - two SpeculativeStats
-    for name in ("proposed_at", "reached_at", "accepted_at"):
-        x, y = getattr(a, name), getattr(b, name)
-        n = max(len(x), len(y))
-        setattr(a, name, [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)])
-    a.num_steps += b.num_steps
-    a.num_emitted += b.num_emitted
-    return a
 
 
 def stats_row(stats) -> dict:  # noqa: ANN001

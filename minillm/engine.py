@@ -251,8 +251,9 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
-        speculating = [(r, n) for r, n in plan.scheduled if self._speculates(r, n)]
-        plain = [(r, n) for r, n in plan.scheduled if not self._speculates(r, n)]
+        speculating, plain = [], []
+        for request, n in plan.scheduled:
+            (speculating if self._speculates(request, n) else plain).append((request, n))
         results = self._speculative_decode([r for r, _ in speculating]) if speculating else []
         if plain:
             results = self._sample_plain(plain) + results

@@ -354,7 +354,8 @@ class PagedKVCache:
         """
         table = self._table(seq_id)
         if not 0 <= num_tokens <= table.num_tokens:
-            raise ValueError(f"sequence {seq_id!r} holds {table.num_tokens} tokens: cannot keep {num_tokens}.")
+            raise ValueError(f"sequence {seq_id!r} holds {table.num_tokens} tokens: cannot keep {num_tokens}; "
+                             f"pass a count from 0 to {table.num_tokens}.")
         bs = self.block_size
         keep_blocks = -(-num_tokens // bs)
         for block in reversed(table.block_ids[keep_blocks:]):

@@ -186,7 +186,7 @@ class NgramDrafter:
         return []
 
     def propose(self, seq_ids, contexts, params, num_tokens, generators) -> list[Draft]:  # noqa: ANN001 - Drafter
-        return [Draft(self.lookup(c, k)) if k > 0 else Draft([]) for c, k in zip(contexts, num_tokens)]
+        return [Draft(self.lookup(c, k)) for c, k in zip(contexts, num_tokens)]
 
     def release(self, seq_id: Hashable) -> None:
         pass
@@ -235,7 +235,8 @@ class DraftModelDrafter:
         if any(len(c) + k > self.model.config.max_seq_len for c, k in zip(contexts, num_tokens)):
             raise ValueError(f"the draft model's context is {self.model.config.max_seq_len} tokens, shorter than "
                              "a sequence to draft for: use a draft model with the target's context length.")
-        drafts = [Draft([], []) for _ in seq_ids]  # probs collected as a list of rows, stacked at the end
+        tokens: list[list[int]] = [[] for _ in seq_ids]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]  # q at each draft of a sampled row
         rows = [i for i, k in enumerate(num_tokens) if k > 0]
         feed = {i: self._catch_up(seq_ids[i], list(contexts[i])) for i in rows}
         while rows:
@@ -244,7 +245,7 @@ class DraftModelDrafter:
             except NoFreeBlocksError:  # the draft's pool is full: draft nothing for the longest of these rows
                 drop = max(rows, key=lambda i: len(contexts[i]))
                 self.release(seq_ids[drop])
-                drafts[drop] = Draft([], [])
+                tokens[drop], q_rows[drop] = [], []
                 rows.remove(drop)
                 continue
             row_params = [_without_penalties(params[i]) for i in rows]
@@ -254,13 +255,12 @@ class DraftModelDrafter:
                     token = int(q[j].argmax())
                 else:
                     token = int(torch.multinomial(q[j], 1, generator=generators[i]))
-                drafts[i].tokens.append(token)
-                drafts[i].probs.append(None if row_params[j].greedy else q[j])
+                    q_rows[i].append(q[j])
+                tokens[i].append(token)
                 feed[i] = [token]
-            rows = [i for i in rows if len(drafts[i].tokens) < num_tokens[i]]
-        for d in drafts:  # q: stacked rows, or None for greedy (deterministic) drafts
-            d.probs = torch.stack(d.probs) if d.probs and d.probs[0] is not None else None
-        return drafts
+            rows = [i for i in rows if len(tokens[i]) < num_tokens[i]]
+        # Greedy rows drafted deterministically: q is one-hot, given as None.
+        return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, q_rows)]
 
 
 def _without_penalties(params: SamplingParams) -> SamplingParams:
@@ -295,6 +295,16 @@ class SpeculativeStats:
             self.accepted_at[i] += i < num_accepted
         self.num_steps += 1
         self.num_emitted += num_accepted + 1
+
+    def merge(self, other: SpeculativeStats) -> SpeculativeStats:
+        """The counts of both, summed (e.g. over several calls of `generate`)."""
+        def add(a: list[int], b: list[int]) -> list[int]:
+            n = max(len(a), len(b))
+            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+        return SpeculativeStats(self.num_steps + other.num_steps, self.num_emitted + other.num_emitted,
+                                add(self.proposed_at, other.proposed_at), add(self.reached_at, other.reached_at),
+                                add(self.accepted_at, other.accepted_at))
 
     @property
     def num_proposed(self) -> int:

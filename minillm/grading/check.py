@@ -125,6 +125,31 @@ def call_probed(answer: Any, probe: Callable[..., Any], *args: Any) -> Any:
     return probe(answer, *args)
 
 
+def diagnose(got: list, cases: list[tuple], suspects: list[tuple[Callable[..., Any], str]], fallback: str,
+             same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> str:
+    """The hint of the first wrong version (suspects: (function, hint)) that gives exactly the reader's answers
+    `got` on every case (`same` compares two answers); `fallback` when none does."""
+    for wrong, hint in suspects:
+        try:
+            if all(same(g, wrong(*case)) for g, case in zip(got, cases)):
+                return hint
+        except Exception:  # noqa: BLE001 - a wrong version that cannot run a case does not fit
+            continue
+    return fallback
+
+
+def call_catching(fn: Callable[..., Any], args: tuple, error: str, what: str, expected: str, hint: str) -> Any:
+    """fn(*args); if the reader's code raises `error` (an exception type's name), a MismatchError with a hint
+    instead of the bare exception (here, or in the grader's sandbox, where it arrives as a StudentError)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        text = exc.summary if isinstance(exc, StudentError) else summarise_exception(exc)
+        if not text.startswith(error + ":"):
+            raise
+        raise MismatchError(what, expected, text, hint) from None
+
+
 def get_task(task_id: str) -> Task:
     """The registered task `task_id` (tasks of every chapter are loaded on first use)."""
     from minillm.grading import tasks  # noqa: F401 - importing registers every chapter's tasks

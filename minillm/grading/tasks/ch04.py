@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from minillm import metrics
 from minillm.config import ModelConfig
-from minillm.grading.check import MismatchError, StudentError, expect_equal, register_task, summarise_exception
+from minillm.grading.check import MismatchError, call_catching, expect_equal, register_task
 from minillm.paging import PAD_SLOT, PagedKVCache, prefix_block_hashes
 
 
@@ -34,18 +34,6 @@ def _short(x: object, limit: int = 80) -> str:
 
 def _blocks(n: int) -> str:
     return f"{n} block" if n == 1 else f"{n} blocks"
-
-
-def _call_catching(fn: Callable, args: tuple, error: str, what: str, expected: str, hint: str) -> object:
-    """fn(*args); if the reader's code raises `error` (an exception type's name), a MismatchError with a hint
-    instead of the bare exception (here, or in the grader's sandbox, where it arrives as a StudentError)."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        text = exc.summary if isinstance(exc, StudentError) else summarise_exception(exc)
-        if not text.startswith(error + ":"):
-            raise
-        raise MismatchError(what, expected, text, hint) from None
 
 
 # ---- 04.block_allocator -----------------------------------------------------------------------------
@@ -360,7 +348,7 @@ def _check_slots(fn: Callable, table: list[int], start: int, n: int, bs: int, ex
     if expected is None:
         expected = reference_slot_mapping(table, start, n, bs)
     what = what or f"slot_mapping({table}, start={start}, num_tokens={n}, block_size={bs})"
-    got = _call_catching(fn, (list(table), start, n, bs), "IndexError", what, f"the slots {expected}",
+    got = call_catching(fn, (list(table), start, n, bs), "IndexError", what, f"the slots {expected}",
                          f"the table has {len(table)} entries, one per block of the sequence: index it with the "
                          "block number p // block_size, and add the offset p % block_size (swapped, p % block_size "
                          "runs past the table).")
@@ -488,7 +476,7 @@ def _paged_hint(lengths: list[int], block_size: int, got: float, expected: float
 
 def _check_waste(fn: Callable, lengths: list[int], max_len: int, block_size: int, what: str) -> None:
     expected = (metrics.contiguous_kv_waste(lengths, max_len), metrics.paged_kv_waste(lengths, block_size))
-    got = _call_catching(fn, (list(lengths), max_len, block_size), "ZeroDivisionError", what,
+    got = call_catching(fn, (list(lengths), max_len, block_size), "ZeroDivisionError", what,
                          f"({expected[0]:.6g}, {expected[1]:.6g})",
                          "round the blocks up: a sequence shorter than a block still holds one block, "
                          "ceil(l / block_size) = -(-l // block_size); l // block_size gives 0 blocks, and no slots "

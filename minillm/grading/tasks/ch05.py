@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from minillm import bench
 from minillm.config import ModelConfig
-from minillm.grading.check import MismatchError, register_task
+from minillm.grading.check import MismatchError, diagnose, register_task
 from minillm.paging import PagedKVCache
 from minillm.sampling import SamplingParams
 from minillm.scheduler import Request, Scheduler
@@ -36,17 +36,6 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _tiny_config() -> ModelConfig:
     return ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=50)
-
-
-def _diagnose(got: list, cases: list[tuple], suspects: list[tuple[Callable, str]], fallback: str) -> str:
-    """The hint of the first wrong version that gives exactly the reader's answers on every case."""
-    for wrong, hint in suspects:
-        try:
-            if all(_same(g, wrong(*case)) for g, case in zip(got, cases)):
-                return hint
-        except Exception:  # noqa: BLE001 - a wrong version that cannot run a case does not fit
-            continue
-    return fallback
 
 
 def _same(a: object, b: object) -> bool:
@@ -182,7 +171,7 @@ def _check_admit(fn: Callable, cases: list[tuple], what: str) -> None:
     for g, case in zip(got, cases):
         expected = reference_can_admit(*case)
         if g != expected:
-            hint = _diagnose(got, cases, _ADMIT_SUSPECTS, _ADMIT_HOW)
+            hint = diagnose(got, cases, _ADMIT_SUSPECTS, _ADMIT_HOW, _same)
             if case[2] <= 0 and g:
                 hint = "a step with no token budget left has no room for the request's first chunk: return False."
             prompt_len, cached, budget, free, bs, wm = case
@@ -437,7 +426,7 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str, expected: list | N
         got.append(g)
     for g, e, case in zip(got, expected, cases):
         if g != e:
-            hint = _diagnose(got, cases, _STEP_SUSPECTS, _STEP_HOW)
+            hint = diagnose(got, cases, _STEP_SUSPECTS, _STEP_HOW, _same)
             if hint == _STEP_HOW and sorted(map(repr, g)) == sorted(map(repr, e)):
                 hint = ("the right requests and counts, in another order: running ones first, in their order, "
                         "then the admitted ones in the waiting queue's order.")
@@ -630,7 +619,7 @@ def _check_goodput(fn: Callable, cases: list[tuple], what: str, expected: list[f
             raise MismatchError(f"{what}: goodput({len(requests)} requests, duration_s={duration}, "
                                 f"slo_ttft={slo_ttft}, slo_tpot={slo_tpot})",
                                 f"{e:.6g} requests/s ({round(e * duration)} good)", f"{g:.6g}",
-                                _diagnose(got, cases, _GOODPUT_SUSPECTS, _GOODPUT_HOW))
+                                diagnose(got, cases, _GOODPUT_SUSPECTS, _GOODPUT_HOW, _same))
 
 
 @goodput.test("5 requests in 10 s: 3 meet both SLOs, one misses the TTFT, one the TPOT -> 0.3 requests/s")
@@ -802,7 +791,7 @@ def _check_batching(fn: Callable, cases: list[tuple], what: str, expected: list 
     for g, e, case in zip(got, expected, cases):
         if g != e:
             raise MismatchError(f"{what}: batching_steps({_short(case[0], 200)}, batch_size={case[1]})", e, g,
-                                _diagnose(got, cases, _BATCH_SUSPECTS, _BATCH_HOW))
+                                diagnose(got, cases, _BATCH_SUSPECTS, _BATCH_HOW, _same))
 
 
 @batching_steps.test("8 requests of 50..400 tokens in batches of 4: static 600 steps, continuous 400")

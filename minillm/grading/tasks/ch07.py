@@ -27,11 +27,11 @@ import torch
 from minillm import metrics, speculative
 from minillm.grading.check import (
     MismatchError,
-    StudentError,
+    call_catching,
     call_probed,
+    diagnose,
     expect_close,
     register_task,
-    summarise_exception,
 )
 
 
@@ -42,30 +42,6 @@ def _short(x: object, limit: int = 120) -> str:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _diagnose(got: list, cases: list[tuple], suspects: list[tuple[Callable, str]], fallback: str,
-              same: Callable[[object, object], bool]) -> str:
-    """The hint of the first wrong version that gives exactly the reader's answers on every case."""
-    for wrong, hint in suspects:
-        try:
-            if all(same(g, wrong(*case)) for g, case in zip(got, cases)):
-                return hint
-        except Exception:  # noqa: BLE001 - a wrong version that cannot run a case does not fit
-            continue
-    return fallback
-
-
-def _call_catching(fn: Callable, args: tuple, error: str, what: str, expected: str, hint: str) -> object:
-    """fn(*args); if the reader's code raises `error` (an exception type's name), a MismatchError with a hint
-    instead of the bare exception (here, or in the grader's sandbox, where it arrives as a StudentError)."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        text = exc.summary if isinstance(exc, StudentError) else summarise_exception(exc)
-        if not text.startswith(error + ":"):
-            raise
-        raise MismatchError(what, expected, text, hint) from None
 
 
 def _distributions(gen: torch.Generator, rows: int, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -148,7 +124,7 @@ def _check_residual(fn: Callable, cases: list[tuple[torch.Tensor, torch.Tensor]]
         if _same_tensor(g, e):
             hint = f"keep p's dtype ({p.dtype}): compute with p and q's own tensors, without converting them."
         else:
-            hint = _diagnose(got, cases, _RESIDUAL_SUSPECTS, _RESIDUAL_HOW, _same_tensor)
+            hint = diagnose(got, cases, _RESIDUAL_SUSPECTS, _RESIDUAL_HOW, _same_tensor)
         shown = f"p={[round(x, 3) for x in p.tolist()]}, q={[round(x, 3) for x in q.tolist()]}" if p.numel() <= 8 \
             else f"p, q of {p.numel()} tokens ({p.dtype})"
         expect_close(g, e, f"{what}: residual({shown})", hint, atol=1e-5, rtol=1e-4)
@@ -449,7 +425,7 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str) -> None:
         expected = record_draws(reference_verify_step, *case)
         if _same_record(record, expected):
             continue
-        hint = _diagnose(records, cases, _recorded(_VERIFY_SUSPECTS), _VERIFY_HOW, _same_record)
+        hint = diagnose(records, cases, _recorded(_VERIFY_SUSPECTS), _VERIFY_HOW, _same_record)
         if hint == _VERIFY_HOW:
             calls = len(record[1])
             if calls > 1:
@@ -607,7 +583,7 @@ def _(fn: Callable) -> None:
             cases = [_random_step(gen, rng, rng.randint(1, 4), 5) for _ in range(60)]
             records = [(_as_tokens(got) or [], list(given)) for got, given in
                        (call_probed(fn, record_draws, *case) for case in cases)]
-            hint = _diagnose(records, cases, _recorded(_VERIFY_SUSPECTS), "", _same_record) or (
+            hint = diagnose(records, cases, _recorded(_VERIFY_SUSPECTS), "", _same_record) or (
                 "each token a step emits must be distributed exactly as the target's row at its position: "
                 f"{_VERIFY_HOW}")
             shown = _fmt([o / n for o in observed]) if sum(observed) else "no step emitted a token there"
@@ -677,7 +653,7 @@ def _same_number(a: object, b: object) -> bool:
 def _check_expected(fn: Callable, cases: list[tuple[float, int]], what: str) -> None:
     got = []
     for alpha, k in cases:
-        g = _call_catching(fn, (alpha, k), "ZeroDivisionError", f"{what}: expected_tokens({alpha}, {k})",
+        g = call_catching(fn, (alpha, k), "ZeroDivisionError", f"{what}: expected_tokens({alpha}, {k})",
                            f"{reference_expected_tokens(alpha, k):.6g}", _ALPHA_ONE)
         if not _is_number(g):
             raise MismatchError(f"{what}: expected_tokens({alpha}, {k})", "a number (tokens per target forward)",
@@ -688,7 +664,7 @@ def _check_expected(fn: Callable, cases: list[tuple[float, int]], what: str) -> 
         e = reference_expected_tokens(alpha, k)
         if not _same_number(g, e):
             hint = _ALPHA_ONE if alpha == 1 and not math.isfinite(g) else \
-                _diagnose(got, cases, _EXPECTED_SUSPECTS, _EXPECTED_HOW, _same_number)
+                diagnose(got, cases, _EXPECTED_SUSPECTS, _EXPECTED_HOW, _same_number)
             raise MismatchError(f"{what}: expected_tokens(alpha={alpha}, k={k})", f"{e:.6g}", f"{g:.6g}", hint)
 
 
@@ -782,7 +758,7 @@ _BEST_SUSPECTS: list[tuple[Callable, str]] = [
 def _check_best(fn: Callable, cases: list[tuple], what: str) -> None:
     got = []
     for case in cases:
-        g = _call_catching(fn, case, "ZeroDivisionError", f"{what}: best_k{case}", f"{reference_best_k(*case)}",
+        g = call_catching(fn, case, "ZeroDivisionError", f"{what}: best_k{case}", f"{reference_best_k(*case)}",
                            "expected_tokens(alpha, k) must handle alpha = 1 (k + 1 tokens), and the cost 1 + k * c "
                            "is never 0.")
         if not isinstance(g, int) or isinstance(g, bool):
@@ -796,7 +772,7 @@ def _check_best(fn: Callable, cases: list[tuple], what: str) -> None:
             raise MismatchError(f"{what}: best_k(alpha={alpha}, draft_cost={c}, max_k={max_k})",
                                 f"{e} (speed-up {_speedup(alpha, c, e):.4f})",
                                 f"{g}" + (f" (speed-up {_speedup(alpha, c, g):.4f})" if g >= 0 else ""),
-                                _diagnose(got, cases, _BEST_SUSPECTS, _BEST_HOW, lambda a, b: a == b))
+                                diagnose(got, cases, _BEST_SUSPECTS, _BEST_HOW, lambda a, b: a == b))
 
 
 @best_k_task.test("alpha = 0.8, a draft at 0.1 of the target's cost: k = 6 (speed-up 2.47); alpha = 0.6, c = 0.05: "
