@@ -27,6 +27,11 @@ and the GPU fast path (issue 16) adds two small fused kernels for the decode ste
     silu_and_mul(gate_up)                         SwiGLU's silu(gate) * up in one pass over memory
     silu_and_mul_reference(gate_up)               F.silu(gate) * up, as MLP computes it
 
+and chapter 06 the int4-weight matmul, dequantising in registers (`minillm.quant.QuantLinear` calls it on CUDA):
+
+    w4a16_matmul(x, packed, scale, zero, group)   GEMV for a few rows (decode), tiled GEMM above (prefill)
+    w4a16_reference(...)                          dequantise to a full matrix, then matmul
+
 `import minillm.kernels` works on a machine without Triton: the names are then missing, and
 asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
 (prefill) and `decode_attention` (decode) only on CUDA (see `minillm.model.use_triton_attention`).
@@ -44,7 +49,8 @@ import importlib.util
 
 __all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
            "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
-           "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference"]
+           "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference",
+           "w4a16_matmul", "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -59,6 +65,7 @@ if TRITON_AVAILABLE:
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference
     from .swiglu import silu_and_mul, silu_and_mul_reference
+    from .w4a16 import w4a16_matmul, w4a16_reference
 else:
 
     def __getattr__(name: str) -> object:

@@ -380,7 +380,7 @@ class QuantLinear(nn.Module):
 
     def _weight_only_forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized()
-        if isinstance(q, IntQuantized) and q.bits == 4 and q.group_size < q.shape[1] and x.is_cuda:
+        if isinstance(q, IntQuantized) and q.bits == 4 and q.zero is not None and x.is_cuda:
             from minillm.kernels.w4a16 import w4a16_linear  # the fused kernel reads the packed weights
 
             return w4a16_linear(x, q)
