@@ -15,10 +15,11 @@ calling the bf16 matmul reads 0.5 bytes, writes 2 and reads 2 again per weight: 
 bf16 alone, plus a launch. The point of a fused kernel is that the 16-bit weights never touch memory.
 
 Two kernels:
-  GEMV (decode, few rows): each program owns BLOCK_N output features of one row and walks K in blocks
-    of one group; the group's scale factors out of its dot product, so per block it computes
-    s * (sum(q * x) - z * sum(x)) with no per-weight multiply by s. K may be split over SPLIT_K
-    programs (fp32 atomic adds) so that a narrow layer still fills the GPU.
+  GEMV (decode, few rows): each program owns BLOCK_N output features of one row and walks K a few
+    groups at a time, reading the packed codes as int32 words (8 codes each); a group's scale factors
+    out of its dot product, so per group it computes s * (sum(q * x) - z * sum(x)), with no per-weight
+    multiply by s. K may be split over SPLIT_K programs (fp32 atomic adds) so that a narrow layer still
+    fills the GPU.
   GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, the dequantised [BLOCK_K, BLOCK_N] weight
     tile fed to tl.dot in the activations' dtype.
 
@@ -47,25 +48,35 @@ def w4a16_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
 
 
 @triton.jit
-def _gemv_kernel(X, PACKED, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_groups,
+def _gemv_kernel(X, WORDS, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_groups,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Program (n-block, row m, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs."""
+    """Program (n-block, row m, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs.
+
+    The packed bytes are read as int32 words, 8 codes each (code c of a word = bits 4c..4c+3, in
+    input order), so that each thread issues wide loads; a block of BLOCK_K inputs spans BLOCK_K / GROUP groups.
+    """
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    half = tl.arange(0, BLOCK_K // 2)
+    NG: tl.constexpr = BLOCK_K // GROUP  # groups per block
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = 4 * tl.arange(0, 8)
+    groups = tl.arange(0, NG)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_len = K // SPLIT_K
     for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
-        x_even = tl.load(X + m * stride_xm + k0 + 2 * half).to(tl.float32)  # inputs k0, k0+2, ...
-        x_odd = tl.load(X + m * stride_xm + k0 + 2 * half + 1).to(tl.float32)  # inputs k0+1, k0+3, ...
-        b = tl.load(PACKED + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + half[None, :],
-                    mask=row_ok[:, None], other=0)
-        g = k0 // GROUP
-        s = tl.load(SCALE + rows * n_groups + g, mask=row_ok, other=0.0)
-        z = tl.load(ZERO + rows * n_groups + g, mask=row_ok, other=0.0)
-        qx = tl.sum((b & 0xF).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :], axis=1)
-        acc += s * (qx - z * (tl.sum(x_even) + tl.sum(x_odd)))  # sum((q - z) s x) = s (sum(q x) - z sum(x))
+        x = tl.load(X + m * stride_xm + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)  # [BLOCK_K]
+        w = tl.load(WORDS + rows[:, None].to(tl.int64) * (K // 8) + k0 // 8 + words[None, :],
+                    mask=row_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
+        q = ((w[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
+        q = tl.reshape(q, [BLOCK_N, NG, GROUP])
+        xg = tl.reshape(x, [NG, GROUP])
+        qx = tl.sum(q * xg[None, :, :], axis=2)  # [BLOCK_N, NG]: sum(q x) per group
+        g = k0 // GROUP + groups
+        s = tl.load(SCALE + rows[:, None] * n_groups + g[None, :], mask=row_ok[:, None], other=0.0)
+        z = tl.load(ZERO + rows[:, None] * n_groups + g[None, :], mask=row_ok[:, None], other=0.0)
+        # sum over a group of (q - z) s x = s (sum(q x) - z sum(x)): one multiply by s per group, not per weight
+        acc += tl.sum(s * (qx - z * tl.sum(xg, axis=1)[None, :]), axis=1)
     if SPLIT_K == 1:
         tl.store(OUT + m * stride_om + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
     else:
@@ -74,7 +85,8 @@ def _gemv_kernel(X, PACKED, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_grou
 
 @triton.jit
 def _gemm_kernel(X, PACKED, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_groups,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Program (m-block, n-block): a BLOCK_M x BLOCK_N tile of the output, tl.dot on dequantised tiles."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,7 +105,7 @@ def _gemm_kernel(X, PACKED, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_g
         z = tl.load(ZERO + rn * n_groups + g, mask=n_ok, other=0.0)[None, :]
         w_even = (((b & 0xF).to(tl.float32) - z) * s).to(x_even.dtype)
         w_odd = (((b >> 4).to(tl.float32) - z) * s).to(x_odd.dtype)
-        acc += tl.dot(x_even, w_even) + tl.dot(x_odd, w_odd)
+        acc += tl.dot(x_even, w_even, input_precision=PRECISION) + tl.dot(x_odd, w_odd, input_precision=PRECISION)
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -114,17 +126,20 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
 
 
 def w4a16_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-               block_n: int = 32, block_k: int | None = None, split_k: int = 1) -> torch.Tensor:
-    """x [M, K] (M small) @ W^T -> [M, N] in x's dtype; one program per (block_n outputs, row, K split)."""
-    block_k = block_k or group_size
-    M, N, K = _check(x, packed, scale, zero, group_size, block_k)
-    if K % (split_k * block_k):
-        raise ValueError(f"split_k * block_k ({split_k} * {block_k}) must divide K = {K}.")
+               block_n: int = 16, groups_per_block: int = 2, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+    """x [M, K] (M small) @ W^T -> [M, N] in x's dtype; one program per (block_n outputs, row, K split),
+    each step over `groups_per_block` groups of inputs."""
+    M, N, K = _check(x, packed, scale, zero, group_size, 2)
+    block_k = group_size * groups_per_block
+    if K % (split_k * block_k) or group_size % 8:
+        raise ValueError(f"split_k * group_size * groups_per_block ({split_k} * {group_size} * {groups_per_block}) "
+                         f"must divide K = {K}, and group_size must be a multiple of 8.")
     x = x.contiguous()
     out = torch.zeros(M, N, device=x.device, dtype=torch.float32 if split_k > 1 else x.dtype)
     grid = (triton.cdiv(N, block_n), M, split_k)
-    _gemv_kernel[grid](x, packed, scale, zero, out, N, K, x.stride(0), out.stride(0), K // group_size,
-                       GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
+    words = packed.contiguous().view(torch.int32)  # [N, K/8]: 8 codes per word, little-endian = input order
+    _gemv_kernel[grid](x, words, scale, zero, out, N, K, x.stride(0), out.stride(0), K // group_size,
+                       GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps)
     return out.to(x.dtype)
 
 
@@ -138,6 +153,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero:
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _gemm_kernel[grid](x, packed, scale, zero, out, M, N, K, x.stride(0), out.stride(0), K // group_size,
                        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact; 16-bit: ignored
                        num_warps=num_warps, num_stages=num_stages)
     return out
 

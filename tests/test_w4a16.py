@@ -48,15 +48,15 @@ def test_reference_is_the_dequantised_matmul():
     torch.testing.assert_close(w4a16_reference(x, p, s, z, 64).cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("M, N, K, group, block_n, split_k", [
-    (1, 96, 256, 128, 32, 1),   # decode: one row
-    (1, 40, 512, 128, 16, 2),   # N not a multiple of the block (masked rows), K split over 2 programs
-    (3, 64, 512, 64, 64, 4),    # several rows, smaller groups, 4-way split of K
+@pytest.mark.parametrize("M, N, K, group, block_n, groups_per_block, split_k", [
+    (1, 96, 256, 128, 32, 1, 1),   # decode: one row, one group per step
+    (1, 40, 512, 128, 16, 2, 2),   # N not a multiple of the block (masked rows), 2 groups per step, K split in 2
+    (3, 64, 512, 64, 64, 2, 4),    # several rows, smaller groups, 4-way split of K
 ])
-def test_gemv_matches_reference(M, N, K, group, block_n, split_k):
+def test_gemv_matches_reference(M, N, K, group, block_n, groups_per_block, split_k):
     x, p, s, z, _ = problem(M, N, K, group, seed=M + N)
     ref = w4a16_reference(x.double(), p, s.double(), z.double(), group)
-    out = w4a16_gemv(x, p, s, z, group, block_n=block_n, split_k=split_k)
+    out = w4a16_gemv(x, p, s, z, group, block_n=block_n, groups_per_block=groups_per_block, split_k=split_k)
     assert out.shape == (M, N) and out.dtype == x.dtype
     assert rel_err(out, ref) < 1e-5
 
