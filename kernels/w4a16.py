@@ -20,8 +20,8 @@ Two kernels:
     out of its dot product, so per group it computes s * (sum(q * x) - z * sum(x)), with no per-weight
     multiply by s. K may be split over SPLIT_K programs (fp32 atomic adds) so that a narrow layer still
     fills the GPU.
-  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, the dequantised [BLOCK_K, BLOCK_N] weight
-    tile fed to tl.dot in the activations' dtype.
+  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N; each int32 word tile gives 8 dequantised
+    weight tiles (one per nibble), each fed to tl.dot in the activations' dtype with the inputs it multiplies.
 
 `w4a16_reference` is the definition (dequantise, then matmul). Under Triton's CPU interpreter
 (TRITON_INTERPRET=1) use fp32 or fp16 activations: its bf16 tl.dot is not exact.
@@ -52,60 +52,59 @@ def _gemv_kernel(X, WORDS, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_group
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Program (n-block, row m, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs.
 
-    The packed bytes are read as int32 words, 8 codes each (code c of a word = bits 4c..4c+3, in
-    input order), so that each thread issues wide loads; a block of BLOCK_K inputs spans BLOCK_K / GROUP groups.
+    The packed bytes are read as int32 words of 8 codes (code c of word j = bits 4c..4c+3 = input
+    8j + c), a [BLOCK_N, BLOCK_K / 8] tile per step. Code c of every word is multiplied by input
+    8j + c; per word, (q - z) s x summed over its 8 codes is s (sum(q x) - z sum(x)).
     """
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    NG: tl.constexpr = BLOCK_K // GROUP  # groups per block
     words = tl.arange(0, BLOCK_K // 8)
-    shifts = 4 * tl.arange(0, 8)
-    groups = tl.arange(0, NG)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     k_len = K // SPLIT_K
     for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
-        x = tl.load(X + m * stride_xm + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)  # [BLOCK_K]
         w = tl.load(WORDS + rows[:, None].to(tl.int64) * (K // 8) + k0 // 8 + words[None, :],
                     mask=row_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
-        q = ((w[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
-        q = tl.reshape(q, [BLOCK_N, NG, GROUP])
-        xg = tl.reshape(x, [NG, GROUP])
-        qx = tl.sum(q * xg[None, :, :], axis=2)  # [BLOCK_N, NG]: sum(q x) per group
-        g = k0 // GROUP + groups
-        s = tl.load(SCALE + rows[:, None] * n_groups + g[None, :], mask=row_ok[:, None], other=0.0)
-        z = tl.load(ZERO + rows[:, None] * n_groups + g[None, :], mask=row_ok[:, None], other=0.0)
-        # sum over a group of (q - z) s x = s (sum(q x) - z sum(x)): one multiply by s per group, not per weight
-        acc += tl.sum(s * (qx - z * tl.sum(xg, axis=1)[None, :]), axis=1)
+        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        for c in tl.static_range(8):
+            x_c = tl.load(X + m * stride_xm + k0 + 8 * words + c).to(tl.float32)  # inputs 8j + c
+            qx += ((w >> (4 * c)) & 0xF).to(tl.float32) * x_c[None, :]
+            x_sum += x_c
+        group = (k0 + 8 * words) // GROUP  # each word's group
+        s = tl.load(SCALE + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
+        z = tl.load(ZERO + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
+        acc += s * (qx - z * x_sum[None, :])
+    out = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
-        tl.store(OUT + m * stride_om + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
+        tl.store(OUT + m * stride_om + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
     else:
-        tl.atomic_add(OUT + m * stride_om + rows, acc, mask=row_ok)
+        tl.atomic_add(OUT + m * stride_om + rows, out, mask=row_ok)
 
 
 @triton.jit
-def _gemm_kernel(X, PACKED, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_groups,
+def _gemm_kernel(X, WORDS, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_groups,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """Program (m-block, n-block): a BLOCK_M x BLOCK_N tile of the output, tl.dot on dequantised tiles."""
+    """Program (m-block, n-block): a BLOCK_M x BLOCK_N output tile. Per step, the [BLOCK_N, BLOCK_K / 8]
+    tile of words gives 8 dequantised [BLOCK_K / 8, BLOCK_N] tiles (code c of each word), each
+    multiplied by the matching inputs 8j + c with tl.dot. BLOCK_K <= GROUP: one scale per row per step."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, BLOCK_K // 2)
+    words = tl.arange(0, BLOCK_K // 8)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x_rows = X + rm[:, None].to(tl.int64) * stride_xm + k0 + 2 * half[None, :]
-        x_even = tl.load(x_rows, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K/2]
-        x_odd = tl.load(x_rows + 1, mask=m_ok[:, None], other=0.0)
-        b = tl.load(PACKED + rn[None, :].to(tl.int64) * (K // 2) + k0 // 2 + half[:, None],
-                    mask=n_ok[None, :], other=0)  # [BLOCK_K/2, BLOCK_N]
-        g = k0 // GROUP
-        s = tl.load(SCALE + rn * n_groups + g, mask=n_ok, other=0.0)[None, :]
-        z = tl.load(ZERO + rn * n_groups + g, mask=n_ok, other=0.0)[None, :]
-        w_even = (((b & 0xF).to(tl.float32) - z) * s).to(x_even.dtype)
-        w_odd = (((b >> 4).to(tl.float32) - z) * s).to(x_odd.dtype)
-        acc += tl.dot(x_even, w_even, input_precision=PRECISION) + tl.dot(x_odd, w_odd, input_precision=PRECISION)
+        w = tl.load(WORDS + rn[None, :].to(tl.int64) * (K // 8) + k0 // 8 + words[:, None],
+                    mask=n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N] int32
+        s = tl.load(SCALE + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+        z = tl.load(ZERO + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+        for c in tl.static_range(8):
+            x_c = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + k0 + 8 * words[None, :] + c,
+                          mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K / 8]: inputs 8j + c
+            w_c = ((((w >> (4 * c)) & 0xF).to(tl.float32) - z) * s).to(x_c.dtype)
+            acc += tl.dot(x_c, w_c, input_precision=PRECISION)
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -120,8 +119,8 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if packed.shape[1] * 2 != K or K % group_size or scale.shape != (N, K // group_size) or zero.shape != scale.shape:
         raise ValueError(f"shapes disagree: x [{M}, {K}], packed {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"zero {tuple(zero.shape)}, group_size {group_size}.")
-    if group_size % block_k or block_k % 2:
-        raise ValueError(f"block_k ({block_k}) must be even and divide group_size ({group_size}).")
+    if group_size % block_k or block_k % 8:
+        raise ValueError(f"block_k ({block_k}) must be a multiple of 8 and divide group_size ({group_size}).")
     return M, N, K
 
 
@@ -129,9 +128,11 @@ def w4a16_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero:
                block_n: int = 16, groups_per_block: int = 2, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
     """x [M, K] (M small) @ W^T -> [M, N] in x's dtype; one program per (block_n outputs, row, K split),
     each step over `groups_per_block` groups of inputs."""
-    M, N, K = _check(x, packed, scale, zero, group_size, 2)
+    M, N, K = _check(x, packed, scale, zero, group_size, 8)
+    while groups_per_block > 1 and K % (split_k * group_size * groups_per_block):
+        groups_per_block //= 2  # a narrow layer: fewer groups per step
     block_k = group_size * groups_per_block
-    if K % (split_k * block_k) or group_size % 8:
+    if K % (split_k * block_k):
         raise ValueError(f"split_k * group_size * groups_per_block ({split_k} * {group_size} * {groups_per_block}) "
                          f"must divide K = {K}, and group_size must be a multiple of 8.")
     x = x.contiguous()
@@ -144,14 +145,15 @@ def w4a16_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero:
 
 
 def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-               block_m: int = 64, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+               block_m: int = 64, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
                num_stages: int = 3) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, tiled for many rows (prefill)."""
+    """x [M, K] @ W^T -> [M, N] in x's dtype, tiled for many rows (prefill). block_k divides group_size."""
     M, N, K = _check(x, packed, scale, zero, group_size, block_k)
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _gemm_kernel[grid](x, packed, scale, zero, out, M, N, K, x.stride(0), out.stride(0), K // group_size,
+    words = packed.contiguous().view(torch.int32)  # [N, K/8]
+    _gemm_kernel[grid](x, words, scale, zero, out, M, N, K, x.stride(0), out.stride(0), K // group_size,
                        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact; 16-bit: ignored
                        num_warps=num_warps, num_stages=num_stages)

@@ -66,7 +66,7 @@ def test_gemv_matches_reference(M, N, K, group, block_n, groups_per_block, split
 def test_gemm_matches_reference(M, N, dtype, bound):
     x, p, s, z, _ = problem(M, N, 256, 128, seed=M * N, dtype=dtype)
     ref = w4a16_reference(x.double(), p, s.double(), z.double(), 128)
-    out = w4a16_gemm(x, p, s, z, 128, block_m=16, block_n=32, block_k=64)
+    out = w4a16_gemm(x, p, s, z, 128, block_m=16, block_n=32, block_k=128)
     assert out.shape == (M, N) and out.dtype == dtype
     assert rel_err(out, ref) < bound
 
@@ -87,6 +87,8 @@ def test_bad_shapes_raise_clear_errors():
         w4a16_gemv(x[:, :128], p, s, z, 128)
     with pytest.raises(ValueError, match="divide group_size"):
         w4a16_gemm(x, p, s, z, 128, block_k=96)
+    with pytest.raises(ValueError, match="must divide K"):
+        w4a16_gemv(x, p, s, z, 128, split_k=4)
     with pytest.raises(ValueError, match="asymmetric 4-bit"):
         w4a16_linear(x, quantize_int(torch.randn(32, 256), 4, 128, symmetric=True))
 
