@@ -20,8 +20,8 @@ Two kernels:
     out of its dot product, so per group it computes s * (sum(q * x) - z * sum(x)), with no per-weight
     multiply by s. K may be split over SPLIT_K programs (fp32 atomic adds) so that a narrow layer still
     fills the GPU.
-  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N; each int32 word tile gives 8 dequantised
-    weight tiles (one per nibble), each fed to tl.dot in the activations' dtype with the inputs it multiplies.
+  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N; each step unpacks a tile of words into the
+    dequantised [BLOCK_K, BLOCK_N] weight tile, fed to tl.dot in the activations' dtype.
 
 `w4a16_reference` is the definition (dequantise, then matmul). Under Triton's CPU interpreter
 (TRITON_INTERPRET=1) use fp32 or fp16 activations: its bf16 tl.dot is not exact.
@@ -65,16 +65,18 @@ def _gemv_kernel(X, WORDS, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_group
     for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
         w = tl.load(WORDS + rows[:, None].to(tl.int64) * (K // 8) + k0 // 8 + words[None, :],
                     mask=row_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
-        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
-        for c in tl.static_range(8):
-            x_c = tl.load(X + m * stride_xm + k0 + 8 * words + c).to(tl.float32)  # inputs 8j + c
-            qx += ((w >> (4 * c)) & 0xF).to(tl.float32) * x_c[None, :]
-            x_sum += x_c
         group = (k0 + 8 * words) // GROUP  # each word's group
         s = tl.load(SCALE + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
         z = tl.load(ZERO + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
-        acc += s * (qx - z * x_sum[None, :])
+        z_magic = z + 8388608.0  # 2^23 + z: see the bit trick below
+        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        for c in tl.static_range(8):
+            x_c = tl.load(X + m * stride_xm + k0 + 8 * words + c).to(tl.float32)  # inputs 8j + c
+            # int -> float without a (slow) conversion instruction: a 4-bit q ORed into the mantissa of
+            # 2^23 is the float 2^23 + q exactly; subtracting 2^23 + z leaves q - z.
+            q_magic = (((w >> (4 * c)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            qx += (q_magic - z_magic) * x_c[None, :]
+        acc += s * qx  # the group's scale, once per word instead of once per weight
     out = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         tl.store(OUT + m * stride_om + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
@@ -86,25 +88,26 @@ def _gemv_kernel(X, WORDS, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_group
 def _gemm_kernel(X, WORDS, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_groups,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """Program (m-block, n-block): a BLOCK_M x BLOCK_N output tile. Per step, the [BLOCK_N, BLOCK_K / 8]
-    tile of words gives 8 dequantised [BLOCK_K / 8, BLOCK_N] tiles (code c of each word), each
-    multiplied by the matching inputs 8j + c with tl.dot. BLOCK_K <= GROUP: one scale per row per step."""
+    """Program (m-block, n-block): a BLOCK_M x BLOCK_N output tile. Per step, the [BLOCK_K / 8, BLOCK_N]
+    tile of words is unpacked into the [BLOCK_K, BLOCK_N] weight tile (word j's code c is input 8j + c),
+    dequantised and fed to one tl.dot. BLOCK_K <= GROUP: one scale per output per step."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.arange(0, BLOCK_K // 8)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    shifts = 4 * tl.arange(0, 8)
     for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + k0 + tl.arange(0, BLOCK_K)[None, :],
+                    mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(WORDS + rn[None, :].to(tl.int64) * (K // 8) + k0 // 8 + words[:, None],
                     mask=n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N] int32
         s = tl.load(SCALE + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-        z = tl.load(ZERO + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-        for c in tl.static_range(8):
-            x_c = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + k0 + 8 * words[None, :] + c,
-                          mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K / 8]: inputs 8j + c
-            w_c = ((((w >> (4 * c)) & 0xF).to(tl.float32) - z) * s).to(x_c.dtype)
-            acc += tl.dot(x_c, w_c, input_precision=PRECISION)
+        z_magic = tl.load(ZERO + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :] + 8388608.0
+        q = (w[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: input 8j + c at [j, c]
+        q_magic = tl.reshape(q | 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True)  # 2^23 + q
+        acc += tl.dot(x, ((q_magic - z_magic) * s).to(x.dtype), input_precision=PRECISION)
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
