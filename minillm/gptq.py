@@ -80,8 +80,11 @@ def gptq_quantize(
     H[dead, dead] = 1
     W[:, dead] = 0
     U = inverse_hessian_factor(H, damp)
-    g = cols if group_size == "channel" else int(group_size)
-    if cols % g:
+    if group_size != "channel" and not isinstance(group_size, int):
+        raise ValueError(f"GPTQ takes group_size 'channel' or a number of columns, got {group_size!r} "
+                         "(a per-tensor grid would be fitted before any column is updated: use round-to-nearest).")
+    g = cols if group_size == "channel" else group_size
+    if g <= 0 or cols % g:
         raise ValueError(f"group_size {group_size} must divide the {cols} input columns.")
     block_size = g * max(1, block_size // g) if g < cols else block_size
     n_groups = cols // g

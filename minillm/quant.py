@@ -453,7 +453,8 @@ def quantize(
         method: "rtn" (round to nearest), "gptq", "awq" (weight-only, int4 or int8), "smoothquant"
             (W8A8, option alpha=0.5) or "llm.int8" (W8A8 with full-precision outliers, option
             threshold=6.0).
-        bits: for the weight-only methods: 8 is symmetric per channel, 2 to 7 asymmetric per group.
+        bits: for the weight-only methods: 8 is symmetric per channel, 2 to 7 asymmetric per group
+            (AWQ's grids are asymmetric at every width).
         group_size: inputs per scale below 8 bits (128), or "channel".
         calibration: token ids [n_seqs, seq_len] from the *training* split, for gptq, awq and smoothquant.
         fmt: for rtn only, a format of `WEIGHT_FORMATS` instead of `bits` ("nf4", "fp8", ...).

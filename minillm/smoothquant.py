@@ -9,8 +9,9 @@ moves difficulty from activations to weights; the paper's choice, per input chan
 
     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
 
-balances the two at alpha = 0.5 (alpha = 0: activations untouched; alpha = 1: all of the
-activation range moved into the weights). Here 1/s rides on `QuantLinear.input_scale`; in the
+balances the two at alpha = 0.5 (alpha = 1: the activations' whole range moved into the weights;
+alpha = 0: the reverse, the weights' column ranges moved into the activations; plain W8A8, with
+no migration, is `QuantLinear(act_bits=8)` without an input scale). Here 1/s rides on `QuantLinear.input_scale`; in the
 paper it is folded into the previous LayerNorm or linear, and the activations are quantised per
 token (dynamic) and the weights per output channel, as `QuantLinear(act_bits=8)` does.
 """
@@ -41,7 +42,7 @@ def activation_absmax(model: nn.Module, calibration: torch.Tensor) -> dict[str, 
 
 @torch.no_grad()
 def smoothquant_model(model: nn.Module, calibration: torch.Tensor, alpha: float = 0.5) -> nn.Module:
-    """Replace every block linear by a W8A8 `QuantLinear` with SmoothQuant's scales (alpha = 0: plain W8A8)."""
+    """Replace every block linear by a W8A8 `QuantLinear` with SmoothQuant's scales for `alpha`."""
     stats = activation_absmax(model, calibration)
     for name, linear in block_linears(model).items():
         s = smoothing_scales(stats[name], linear.weight.data.cpu(), alpha)

@@ -17,6 +17,7 @@ from minillm.grading import TASKS, check, get_task, register_task, run_task
 from minillm.grading.check import MismatchError, summarise_exception
 from minillm.grading.exercises import ExerciseError, blank_source, exercise_text, make_exercise
 from minillm.grading.tasks import ch00
+from minillm.quant import NF4_CODEBOOK
 
 
 def _blank(*args, **kwargs):
@@ -757,6 +758,131 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
         failed = [r for r in result.results if not r.passed]
         assert failed and all(words in r.hint for r in failed), repr(result)
     assert math.isclose(get_task("05.goodput").reference([], 1.0, 1.0, 0.1), 0.0)
+
+
+def test_chapter_06_mistakes_get_hints_that_fit_them():
+    def failed_hints_say(task_id, wrong, words, skip=()):
+        result = run_task(task_id, wrong)
+        failed = [r for r in result.results if not r.passed and r.name not in skip]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+        return result
+
+    def absmax(stat="absmax", qmax=127, rounding="round", guard=True, per_tensor=False):
+        def absmax_int8(w):
+            w = w.float()
+            size = w.abs() if stat == "absmax" else w
+            top = size.amax().expand(w.shape[0], 1) if per_tensor else size.amax(dim=1, keepdim=True)
+            scale = top / qmax
+            if guard:
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            v = w / scale
+            q = torch.floor(v + 0.5) if rounding == "half_up" else torch.round(v)
+            return q.clamp(-127, 127).to(torch.int8), scale
+        return absmax_int8
+
+    assert run_task("06.absmax_int8", absmax()).passed
+    failed_hints_say("06.absmax_int8", absmax(stat="max"), "largest MAGNITUDE")
+    failed_hints_say("06.absmax_int8", absmax(qmax=128), "not 128")
+    failed_hints_say("06.absmax_int8", absmax(per_tensor=True), "OUTPUT CHANNEL",
+                     skip=("an all-zero row gets codes 0 and a finite scale (no 0 / 0)",))
+    result = failed_hints_say("06.absmax_int8", absmax(rounding="half_up"), "rounds to the EVEN one")
+    assert sum(not r.passed for r in result.results) == 1  # only the ties differ
+    result = failed_hints_say("06.absmax_int8", absmax(guard=False), "all-zero row")
+    assert "got scale 0" in result.results[3].message
+
+    def int4(lo_with_zero=True, levels=15, clamp=True, pack="low_even", round_zero=True):
+        def int4_quantize(w, group_size=128):
+            rows, cols = w.shape
+            g = w.float().reshape(rows, cols // group_size, group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+            if lo_with_zero:
+                lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+            s = (hi - lo) / levels
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            z = torch.round(-lo / s) if round_zero else -lo / s
+            q = torch.round(g / s[..., None]) + z[..., None]
+            if clamp:
+                q = q.clamp(0, 15)
+            q = q.reshape(rows, cols).to(torch.uint8)
+            low, high = (q[:, 0::2], q[:, 1::2]) if pack == "low_even" else (q[:, 1::2], q[:, 0::2])
+            return low | (high << 4), s, z
+        return int4_quantize
+
+    assert run_task("06.int4_pack", int4()).passed
+    failed_hints_say("06.int4_pack", int4(pack="high_even"), "LOW nibble")
+    failed_hints_say("06.int4_pack", int4(levels=16), "15 steps")
+    failed_hints_say("06.int4_pack", int4(round_zero=False), "round the zero point")
+    result = failed_hints_say("06.int4_pack", int4(clamp=False), "clamp the codes to 0..15")
+    assert [r.passed for r in result.results] == [True, True, False, True]  # only the tie at the top reaches 16
+    result = failed_hints_say("06.int4_pack", int4(lo_with_zero=False), "contain 0.0 exactly")
+    assert "scale of row 0, group 0" in result.results[1].message
+
+    book = NF4_CODEBOOK
+
+    def nf4(kind="nearest"):
+        def nf4_index(x):
+            x = x.float()
+            if kind == "linear":
+                return torch.round((x + 1) * 7.5).to(torch.uint8)
+            if kind == "next_up":
+                return torch.bucketize(x, book).to(torch.uint8)
+            nearest = (x[..., None] - book).abs().argmin(-1)  # int64
+            return nearest if kind == "int64" else nearest.to(torch.uint8)
+        return nf4_index
+
+    assert run_task("06.nf4_lookup", nf4()).passed
+    failed_hints_say("06.nf4_lookup", nf4("linear"), "not evenly spaced")
+    failed_hints_say("06.nf4_lookup", nf4("next_up"), "not the next one up")
+    failed_hints_say("06.nf4_lookup", nf4("int64"), "torch.uint8")
+
+    def column(divide=True, from_j=False, in_place=True, sign=-1):
+        def gptq_column(W, U, j, scale, zero, bits):
+            w = W[:, j].clone()
+            if zero is None:
+                qmax = 2 ** (bits - 1) - 1
+                q = torch.round(w / scale).clamp(-qmax, qmax)
+                dequantized = q * scale
+            else:
+                q = (torch.round(w / scale) + zero).clamp(0, 2**bits - 1)
+                dequantized = (q - zero) * scale
+            err = (w - dequantized) / (U[j, j] if divide else 1)
+            target, first = (W if in_place else W.clone()), (j if from_j else j + 1)
+            target[:, first:] += sign * err[:, None] * U[j, first:]
+            return q, err
+        return gptq_column
+
+    assert run_task("06.gptq_column", column()).passed
+    loop = ("your step as GPTQ's inner loop on a 64 x 256 layer with correlated inputs (4 bits, groups of 64): the "
+            "layer's output error matches minillm.gptq.gptq_quantize's, far below round-to-nearest's")
+    for wrong, words in [(column(divide=False), "divide the error by U[j, j]"), (column(sign=1), "SUBTRACT"),
+                         (column(in_place=False), "in place")]:
+        result = failed_hints_say("06.gptq_column", wrong, words)
+        assert loop in [r.name for r in result.results if not r.passed], repr(result)
+    result = failed_hints_say("06.gptq_column", column(from_j=True), "leave column j as it was")
+    assert result.results[3].passed  # harmless in the loop: column j is not read again
+
+    def rtn(expand="interleave", dequant="q-z"):
+        int4_quantize = int4()
+
+        def rtn_int4(w, group_size=128):
+            packed, scale, zero = int4_quantize(w, group_size)
+            q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).float()
+            if expand == "tile":
+                s, z = scale.repeat(1, group_size), zero.repeat(1, group_size)
+            else:
+                s, z = scale.repeat_interleave(group_size, dim=1), zero.repeat_interleave(group_size, dim=1)
+            return (q + z) * s if dequant == "q+z" else (q - z) * s
+        return rtn_int4
+
+    assert run_task("06.quantized_ppl", rtn()).passed
+    result = failed_hints_say("06.quantized_ppl", rtn(expand="tile"), "repeat_interleave")
+    assert "expected 46.559 +- 0.009 (minillm's int4; fp32: 46.345); got 49.630" in result.results[3].message
+    failed_hints_say("06.quantized_ppl", rtn(dequant="q+z"), "SUBTRACT")
+    result = failed_hints_say("06.quantized_ppl", lambda w, group_size=128: w.clone(), "(nearly) the unquantised",
+                              skip=[r.name for r in get_task("06.quantized_ppl").tests[:3]])
+    example = torch.tensor([[-0.3, 0.0, 0.44, 1.2, -0.04, 0.7, 0.3, 0.9]])
+    assert torch.equal(get_task("06.int4_pack").reference(example, 8)[0],
+                       torch.tensor([[0x30, 0xF7, 0xA3, 0xC6]], dtype=torch.uint8))
 
 
 def test_chapter_07_mistakes_get_hints_that_fit_them():
