@@ -1,7 +1,7 @@
 """The `minillm` command line.
 
     minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
-                     [--device cpu|cuda] PROMPT
+                     [--device cpu|cuda] [--quant int8|int4|nf4|fp8|gptq-int4|awq-int4|...] PROMPT
     minillm grade PATH... [-j N] [--chapter NN] [--timeout S] [--memory-gb G] [--extra-tests DIR]
                   [--csv FILE] [--json FILE]
     minillm drill [--chapter NN] [--tag T] [--level L] [-n K] [--answers FILE]
@@ -16,6 +16,11 @@ import argparse
 import sys
 
 from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
+
+# minillm.quant.QUANT_OPTIONS, written out so that `minillm --help` does not import torch
+QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
+QUANT_HELP = ("quantise the weights first (chapter 06): int8/int4/nf4/fp8 round to nearest; gptq-int4, awq-int4 "
+              "and smoothquant calibrate on the shipped training sample (default: none)")
 
 
 def default_model() -> str | None:
@@ -41,6 +46,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{model_name} has no tokenizer.json, so a text prompt cannot be encoded; "
             "copy the model's tokenizer.json into the folder."
         )
+    if args.quant:
+        from minillm.quant import quantize_by_name
+
+        quantize_by_name(model, args.quant, tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
     chunks = []
@@ -88,8 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_name = args.model or default_model()
     if model_name is None:
         raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
-    serve(model_name, args.host, args.port, args.max_queue, device=args.device, num_blocks=args.num_blocks,
-          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    serve(model_name, args.host, args.port, args.max_queue, device=args.device, quant=args.quant,
+          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+          max_num_batched_tokens=args.max_num_batched_tokens)
     return 0
 
 
@@ -105,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    gen.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -114,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    srv.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
     srv.add_argument("--num-blocks", type=int, default=None,
                      help="KV-cache blocks (default: max-num-seqs full contexts)")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one forward (default 64)")

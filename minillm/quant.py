@@ -507,3 +507,32 @@ def weight_bytes(model: nn.Module) -> int:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
     return total
+
+
+# ------------------------------------------------------------------------------------ by name (CLI)
+QUANT_OPTIONS = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
+
+
+def quantize_by_name(model: nn.Module, name: str, tokenizer=None) -> nn.Module:  # noqa: ANN001 - a Tokenizer
+    """`minillm generate --quant NAME` and `minillm serve --quant NAME`: one of `QUANT_OPTIONS`.
+
+    int8 / int4 / nf4 / fp8: round to nearest (int4 in groups of 128). gptq-int4, awq-int4 and
+    smoothquant calibrate on 32 windows of 256 tokens of the shipped training sample
+    (`minillm.calibration.calibration_ids`), encoded with the model's own tokenizer.
+    """
+    if name not in QUANT_OPTIONS:
+        raise ValueError(f"unknown quantisation {name!r}; choose one of {', '.join(QUANT_OPTIONS)}.")
+    if name in ("int8", "int4"):
+        return quantize(model, "rtn", bits=int(name[3:]))
+    if name in ("nf4", "fp8"):
+        return quantize(model, "rtn", fmt=name)
+    if name == "llm.int8":
+        return quantize(model, "llm.int8")
+    if tokenizer is None:
+        raise ValueError(f"{name} calibrates on text, so it needs the model's tokenizer.")
+    from minillm.calibration import calibration_ids
+
+    calibration = calibration_ids(tokenizer)
+    method = name.split("-")[0]
+    return quantize(model, method, bits=4, calibration=calibration) if method != "smoothquant" else quantize(
+        model, "smoothquant", calibration=calibration)

@@ -369,13 +369,18 @@ def _sse(request_id: str, kind: str, created: int, model: str, choice: dict) -> 
 
 
 def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-          device: str = "cpu", **engine_kwargs: Any) -> None:
-    """Load `model` (a shipped name or a folder) and serve it until interrupted (`minillm serve`)."""
+          device: str = "cpu", quant: str | None = None, **engine_kwargs: Any) -> None:
+    """Load `model` (a shipped name or a folder), quantised by `quant` (`minillm.quant.QUANT_OPTIONS`)
+    if given, and serve it until interrupted (`minillm serve`)."""
     import uvicorn
 
     from minillm import load
 
     llm, tokenizer = load(model, device=device)
+    if quant:
+        from minillm.quant import quantize_by_name
+
+        quantize_by_name(llm, quant, tokenizer)
     name = str(model).rstrip("/").split("/")[-1]
     app = create_app(LLMEngine(llm, tokenizer, **engine_kwargs), name, max_queue)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -126,3 +126,28 @@ def test_main_without_command_is_a_usage_error(capsys):
         main([])
     assert info.value.code == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "nf4"])
+def test_main_generate_quantised_equals_generate_on_the_quantised_model(quant, capsys):
+    """--quant NAME runs the shipped model with its block linears quantised: the completion is the greedy
+    output of minillm.quant.quantize_by_name's model, and (for int8) the same as the unquantised model's."""
+    import minillm
+    from minillm.quant import quantize_by_name
+
+    argv = ["generate", "--max-tokens", "12", "--temperature", "0", "--quant", quant, "ROMEO."]
+    assert main(argv) == 0
+    out, _ = capsys.readouterr()
+    model, tok = minillm.load(minillm.DEFAULT_MODEL)
+    params = minillm.SamplingParams(temperature=0, max_tokens=12)
+    plain = minillm.generate(model, "ROMEO.", params, tok).text
+    expected = minillm.generate(quantize_by_name(model, quant, tok), "ROMEO.", params, tok).text
+    assert out == expected + "\n"
+    if quant == "int8":
+        assert expected == plain
+
+
+def test_main_generate_unknown_quant_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--quant", "int3", "Hello"])
+    assert "invalid choice" in capsys.readouterr().err
