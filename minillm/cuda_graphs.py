@@ -140,6 +140,10 @@ class DecodeGraphs:
         if capture and (reason := graphs_unavailable(model)):
             raise ValueError(f"cannot capture decode steps as CUDA graphs: {reason}. Use capture=False, or the "
                              "eager path.")
+        if cache.quantized:
+            raise ValueError(f"cannot capture decode steps of a quantised KV cache ({cache.kv_cache_dtype!r}): the "
+                             "paged decode kernel reads the pools as they are and knows nothing of scales. "
+                             "Run the steps eagerly (LLMEngine does, for a quantised cache).")
         self.model, self.cache, self.capture = model, cache, capture
         self.sizes = graph_batch_sizes(max_batch)
         bs = cache.block_size

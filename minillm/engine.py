@@ -45,10 +45,11 @@ import torch
 from minillm.constrained import TokenIndex, mask_logits, masks_for
 from minillm.cuda_graphs import DecodeGraphs, graphs_unavailable
 from minillm.generate import CompletionState, default_eos_ids, prepare_prompt
+from minillm.kv_quant import check_kv_cache_dtype
 from minillm.metrics import kv_blocks
 from minillm.model import Transformer
 from minillm.notebook import tqdm
-from minillm.paging import BLOCK_SIZE, NoFreeBlocksError, PagedKVCache, paged_forward
+from minillm.paging import BLOCK_SIZE, NoFreeBlocksError, PagedKVCache, num_blocks_for_memory, paged_forward
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.scheduler import Request, Scheduler, SchedulerOutput
 from minillm.speculative import Draft, SpeculativeConfig, SpeculativeStats, target_probabilities, verify, verify_greedy
@@ -92,8 +93,16 @@ class LLMEngine:
     Args:
         model: the model (its device and dtype are the cache's).
         tokenizer: encodes text prompts, decodes outputs, matches stop strings (optional with token ids).
-        num_blocks: KV blocks in the pool; default: max_num_seqs sequences of the model's full context.
+        num_blocks: KV blocks in the pool; default: as many as kv_cache_memory_bytes holds, else
+            max_num_seqs sequences of the model's full context.
         block_size: tokens per block (16, vLLM's default).
+        kv_cache_dtype: what the KV cache stores (chapter 06, `minillm.kv_quant`; vLLM's option of the same
+            name): "auto" (the model's dtype, the default), "int8" or "fp8" (e4m3), each with one fp32 scale per
+            (token, head). 8-bit halves the bytes per token (roughly), so the same memory holds ~2x the blocks.
+            On CUDA a quantised cache runs decode attention on the gather + dequantise path, without the paged
+            Triton kernel or CUDA graphs (neither knows the scales).
+        kv_cache_memory_bytes: size the pool to this many bytes instead of giving num_blocks (vLLM's option of
+            the same name): `minillm.paging.num_blocks_for_memory` at this block_size and kv_cache_dtype.
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's budgets (see
             `minillm.scheduler.Scheduler`).
         enable_prefix_caching: reuse cached full blocks of earlier prompts (chapter 04).
@@ -118,21 +127,33 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         cuda_graphs: bool | None = None,
         speculative: SpeculativeConfig | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory_bytes: float | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.speculative = speculative
         self.spec_stats = SpeculativeStats()
+        check_kv_cache_dtype(kv_cache_dtype)
         reason = graphs_unavailable(model)
         if speculative is not None:
             reason = reason or "speculative decoding is on (its verify forwards are not captured)"
+        if kv_cache_dtype != "auto":
+            reason = reason or (f"the KV cache is quantised (kv_cache_dtype={kv_cache_dtype!r}), and the paged decode "
+                                "kernel the graphs replay knows nothing of its scales")
         if cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # captured at the first decode step
+        if kv_cache_memory_bytes is not None:
+            if num_blocks is not None:
+                raise ValueError(f"got num_blocks={num_blocks} and kv_cache_memory_bytes={kv_cache_memory_bytes}: "
+                                 "size the KV pool one way, in blocks or in bytes.")
+            num_blocks = num_blocks_for_memory(model.config, kv_cache_memory_bytes, block_size, model.dtype,
+                                               kv_cache_dtype)
         if num_blocks is None:
             num_blocks = max_num_seqs * kv_blocks(model.config.max_seq_len, block_size)
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
-                                  enable_prefix_caching)
+                                  enable_prefix_caching, kv_cache_dtype)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.eos = default_eos_ids(model, tokenizer)
         # Per sequence (a request's id, or <id>#<i> for its i-th extra sequence when n > 1):
@@ -149,11 +170,13 @@ class LLMEngine:
 
     @classmethod
     def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
-                       params: SamplingParams, speculative: SpeculativeConfig | None = None) -> LLMEngine:
+                       params: SamplingParams, speculative: SpeculativeConfig | None = None,
+                       kv_cache_dtype: str = "auto") -> LLMEngine:
         """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
         decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
         (the prompt's once, then max_tokens plus a copy-on-write block per sequence), one for the padding
-        rows of CUDA graphs, and with `speculative`, the blocks its k draft tokens can spill into."""
+        rows of CUDA graphs, and with `speculative`, the blocks its k draft tokens can spill into.
+        `kv_cache_dtype` as for the engine (chapter 06)."""
         best_of = params.best_of or params.n
         blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
         if best_of > 1:
@@ -163,7 +186,7 @@ class LLMEngine:
             num_blocks += best_of * kv_blocks(speculative.num_speculative_tokens, BLOCK_SIZE)
         return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
                    max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False,
-                   speculative=speculative)
+                   speculative=speculative, kv_cache_dtype=kv_cache_dtype)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,

@@ -216,30 +216,36 @@ def generate_stream(
     tokenizer: Tokenizer | None = None,
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Iterator[StreamChunk]:
     """Generate for one prompt, yielding each token as soon as it is sampled (a verify step of speculative
     decoding may yield several at once).
 
-    With `use_cache=False` every step recomputes the whole sequence (the reference loop).
+    With `use_cache=False` every step recomputes the whole sequence (the reference loop). `kv_cache_dtype`
+    as in `generate`.
     """
     params = params or SamplingParams()
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative)
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype)
     return _stream(model, ids, params, tokenizer, engine, start)
 
 
 def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-                use_cache: bool, speculative: SpeculativeConfig | None) -> LLMEngine | None:
+                use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str = "auto"
+                ) -> LLMEngine | None:
     """The engine of chapter 05 sized for this one request, or None for the reference loop without a cache."""
     if not use_cache:
         if speculative is not None:
             raise ValueError("speculative decoding verifies drafts against the KV cache: drop use_cache=False.")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} sets how the KV cache is stored, and use_cache=False "
+                             "keeps none: drop one of them.")
         return None
     from minillm.engine import LLMEngine
 
-    return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative)
+    return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative, kv_cache_dtype)
 
 
 def _stream(
@@ -310,12 +316,14 @@ def generate(
     tokenizer: Tokenizer | None = None,
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> GenerationOutput:
     """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
 
     With `speculative` (`minillm.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
-    and `out.speculative` says how many drafts were accepted.
+    and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
+    chapter 06, `minillm.kv_quant`) is how the engine's KV cache stores keys and values.
 
     Example:
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
@@ -325,7 +333,7 @@ def generate(
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative)
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype)
     chunks = list(_stream(model, ids, params, tokenizer, engine, start))
     return GenerationOutput(
         prompt_token_ids=ids,

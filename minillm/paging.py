@@ -32,6 +32,20 @@ The pieces, from the bottom up:
 * `gather_kv`: the reference paged read, every sequence's keys (or values) gathered through its
   block table into a dense tensor that attention reads.
 
+KV-cache quantisation (chapter 06, `minillm.kv_quant`). `PagedKVCache(..., kv_cache_dtype="int8")` (or
+"fp8", e4m3; "auto", the model's dtype, is the default; vLLM's option of the same name) stores the pools
+in 8 bits and, beside them, one fp32 scale per (token, head) in scale pools shaped like the K/V pools
+without the head_dim axis:
+
+    per layer   K, V codes [num_blocks, block_size, n_kv_heads, head_dim]   int8 or float8_e4m3fn
+                K, V scales [num_blocks, block_size, n_kv_heads]            fp32
+
+A slot's scale sits at the same (block, offset) as its codes, so everything that moves blocks moves the
+scales with them: prefix caching and fork share blocks (and so their scales), copy-on-write copies both
+(`copy_block`), truncate leaves both to be overwritten. `update` quantises on write and dequantises what
+it reads to the model's dtype. Bytes per token roughly halve against bf16 (`minillm.kv_quant` says why
+that doubles the batch a memory budget holds), so `num_blocks_for_memory` gives ~2x the blocks.
+
     cache = PagedKVCache(model.config, num_blocks=64)
     cached = cache.add_sequence("a", prompt_ids)             # tokens already in the prefix cache
     view = cache.prepare(["a"], [prompt_ids[cached:]])       # allocates blocks, maps slots
@@ -50,6 +64,14 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.config import ModelConfig
+from minillm.kv_quant import (
+    SCALE_DTYPE,
+    dequantize_kv,
+    is_quantized_dtype,
+    kv_bytes_per_token,
+    kv_storage_dtype,
+    quantize_kv,
+)
 from minillm.model import PagedDecode, Transformer, attention_mask, use_triton_attention
 
 BLOCK_SIZE = 16  # tokens per KV block: the default of minillm's users, as of vLLM
@@ -257,6 +279,23 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> to
     return blocks.reshape(B, M * block_size, n_kv_heads, head_dim)[:, :length].transpose(1, 2)
 
 
+def num_blocks_for_memory(config: ModelConfig, memory_bytes: float, block_size: int = BLOCK_SIZE,
+                          dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> int:
+    """How many blocks a KV budget of `memory_bytes` holds (chapters 04, 06):
+
+        floor(memory_bytes / (block_size x kv_bytes_per_token(config, kv_cache_dtype, dtype)))
+
+    exactly what `PagedKVCache(config, n, block_size, dtype=dtype, kv_cache_dtype=...).nbytes` fits in
+    (scales included). The same budget holds ~2x the blocks in "int8" or "fp8" as in bf16.
+    `LLMEngine(kv_cache_memory_bytes=...)` sizes its pool with it. Raises a ValueError below one block.
+    """
+    block_bytes = block_size * kv_bytes_per_token(config, kv_cache_dtype, dtype)
+    if memory_bytes < block_bytes:
+        raise ValueError(f"{memory_bytes:,.0f} bytes hold no KV block: one block of {block_size} tokens takes "
+                         f"{block_bytes:,} bytes ({kv_cache_dtype}); give a larger budget or smaller blocks.")
+    return int(memory_bytes // block_bytes)
+
+
 class PagedKVCache:
     """Keys and values of many sequences in one pool of blocks (chapter 04).
 
@@ -264,6 +303,10 @@ class PagedKVCache:
     `BlockTable`. Sequences are added (reusing cached prefix blocks), forked (sharing every block)
     and freed by id; `prepare(seq_ids, token_ids)` allocates the blocks the next forward needs and
     returns the `PagedCacheView` to pass to the model as its cache.
+
+    `dtype` is the model's; `kv_cache_dtype` what the pools store (chapter 06): "auto" (that same
+    dtype), or "int8" / "fp8" (e4m3) codes with fp32 scale pools `k_scale`, `v_scale`
+    [num_blocks, block_size, n_kv_heads] per layer (see the module's docstring and `minillm.kv_quant`).
     """
 
     def __init__(
@@ -274,12 +317,20 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        storage = kv_storage_dtype(kv_cache_dtype, dtype)  # checks the name first
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.k = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
+        self.k_scale: list[torch.Tensor] | None = None  # [num_blocks, block_size, n_kv_heads] per layer, if quantised
+        self.v_scale: list[torch.Tensor] | None = None
+        if is_quantized_dtype(storage):
+            self.k_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
+            self.v_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
         self.block_tables: dict[Hashable, BlockTable] = {}
 
     @property
@@ -287,9 +338,14 @@ class PagedKVCache:
         return self.k[0].device
 
     @property
+    def quantized(self) -> bool:
+        """Whether the pools hold 8-bit codes with scales (kv_cache_dtype "int8" or "fp8"), chapter 06."""
+        return self.k_scale is not None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the pools, used or not."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes of the pools, used or not: K and V, and their scales when quantised."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Positions of `seq_id` filled so far."""
@@ -370,17 +426,25 @@ class PagedKVCache:
                 self.allocator.uncache(last)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s keys and values into block `dst`, in every layer (copy-on-write)."""
-        for pools in (self.k, self.v):
+        """Copy block `src`'s keys and values (and their scales, when quantised) into block `dst`, in every
+        layer (copy-on-write)."""
+        for pools in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for pool in pools:
                 pool[dst] = pool[src]
 
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of `seq_id` in `layer`, each [n_kv_heads, num_tokens, head_dim]."""
+        """The keys and values of `seq_id` in `layer`, each [n_kv_heads, num_tokens, head_dim] (dequantised to
+        the model's dtype when the cache is quantised)."""
         table = self._table(seq_id)
         blocks = torch.tensor([table.block_ids or [0]], device=self.device)
-        return (gather_kv(self.k[layer], blocks, table.num_tokens)[0],
-                gather_kv(self.v[layer], blocks, table.num_tokens)[0])
+        out = []
+        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            codes = gather_kv(pools[layer], blocks, table.num_tokens)[0]
+            if scales is not None:  # the scale pool as a pool of head_dim 1
+                codes = dequantize_kv(codes, gather_kv(scales[layer][..., None], blocks, table.num_tokens)[0, ..., 0],
+                                      self.dtype)
+            out.append(codes)
+        return out[0], out[1]
 
     # ---------------------------------------------------------------- one forward
     def blocks_needed(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> int:
@@ -530,9 +594,13 @@ class PagedCacheView:
         below its own length, so the causal rule alone hides the keys past a shorter row's end.
         A decode step (one new token per row) on CUDA gets a `PagedDecode` instead: attention then
         reads the pools through the block tables with the paged Triton kernel, and nothing is gathered.
+        Not with a quantised cache (chapter 06): the paged kernel reads the pools as they are and knows
+        nothing of scales, so every step takes the gather + dequantise + PyTorch attention path (a decode
+        kernel that dequantises the 8-bit codes as it reads them is future work).
         """
         pool = self.cache.k[0]
-        if self.T == 1 and window is None and use_triton_attention(pool, pool.shape[-1]):
+        if (self.T == 1 and window is None and not self.cache.quantized
+                and use_triton_attention(pool, pool.shape[-1])):
             self.read_pools = True
             seq_lens = torch.tensor(self.seq_lens, device=pool.device, dtype=torch.int32)
             return PagedDecode(self.block_tables, seq_lens, self.max_seq_len)
@@ -544,20 +612,35 @@ class PagedCacheView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] (padding skipped) to their slots in `layer`'s pools;
         return every row's keys and values, [B, n_kv_heads, max(seq_lens), head_dim], or, for the
-        paged kernel (see `attention_mask`), the pools themselves."""
-        out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+        paged kernel (see `attention_mask`), the pools themselves.
+
+        A quantised cache (chapter 06) writes each slot's 8-bit codes and its scale (one per head), and
+        returns what it reads dequantised to the model's dtype."""
+        cache, out = self.cache, []
+        scale_pools = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
+        for pool, scale_pool, new in zip((cache.k[layer], cache.v[layer]), scale_pools, (k, v)):
             B, H, T, d = new.shape
             flat = pool.view(-1, H, d)  # [num_blocks * block_size, H, d]: slot s is row s
             rows = new.transpose(1, 2).reshape(B * T, H, d)
             if self.padded:
                 rows = rows.index_select(0, self.write_rows)  # padding tokens are not written
-            flat.index_copy_(0, self.write_slots, rows.to(pool.dtype))
+            if scale_pool is None:
+                flat.index_copy_(0, self.write_slots, rows.to(pool.dtype))
+            else:  # codes moved as raw bytes: PyTorch lacks index_copy_ for float8 on some devices
+                codes, scales = quantize_kv(rows, pool.dtype)
+                flat.view(torch.uint8).index_copy_(0, self.write_slots, codes.view(torch.uint8))
+                scale_pool.view(-1, H).index_copy_(0, self.write_slots, scales)
             if self.read_pools:
                 out.append(pool)
-            else:  # the reference paged read, every row's positions 0..S-1 through its block table
-                S = self.max_seq_len
-                out.append(flat.index_select(0, self.read_slots().view(-1)).view(B, S, H, d).transpose(1, 2))
+                continue
+            # the reference paged read, every row's positions 0..S-1 through its block table
+            S, slots = self.max_seq_len, self.read_slots().view(-1)
+            if scale_pool is None:
+                read = flat.index_select(0, slots)
+            else:
+                codes = flat.view(torch.uint8).index_select(0, slots).view(pool.dtype)
+                read = dequantize_kv(codes, scale_pool.view(-1, H).index_select(0, slots), cache.dtype)
+            out.append(read.view(B, S, H, d).transpose(1, 2))
         return out[0], out[1]
 
     def read_slots(self) -> torch.Tensor:
