@@ -36,6 +36,16 @@ def train_tokenizer(path: Path, vocab_size: int = 320) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """Small models on a shared 2-core machine: a second OpenMP thread only adds synchronisation, and while
+    another process keeps a core busy it stalls (measured 20-50x slower). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_file(tmp_path_factory) -> Path:
     return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")

@@ -14,14 +14,7 @@ from minillm.train import init_weights, sample_batch
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small models on a shared 2-core machine: a second OpenMP thread only adds synchronisation, and while
-    another process keeps a core busy it stalls (measured 20-50x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: small models run on one thread
 
 
 def tiny_model(seed: int, dim: int = 32, n_layers: int = 1, std: float = 0.02) -> Transformer:

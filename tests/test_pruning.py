@@ -15,15 +15,7 @@ from minillm.pruning import magnitude_prune, prune, prune_2_4, sparsity_of, wand
 from minillm.quant import block_linears, quantize
 from minillm.train import init_weights
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small models on a shared 2-core machine: a second OpenMP thread only adds synchronisation, and while
-    another process keeps a core busy it stalls (measured 20-50x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: small models run on one thread
 
 
 def random_model(seed: int = 0, n_layers: int = 2) -> Transformer:
