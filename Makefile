@@ -26,6 +26,10 @@ PIP    := $(PY) -m pip
 TORCH  ?=
 TORCH_CPU_FALLBACK := 2.13.0
 JOBS   ?= 2
+# torch threads per test worker (and per notebook kernel). JOBS workers with 2 threads each on 2 cores
+# oversubscribe them, and an OpenMP thread waiting for a busy core stalls a whole matmul: measured 20-50x
+# slower on this book's 2-core machine, enough to time out a notebook cell. One thread each avoids it.
+TEST_THREADS ?= 1
 
 .PHONY: setup test book notebooks lab lint bench clean
 
@@ -55,7 +59,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
 
 book: setup
 	$(PY) -m minillm.site

@@ -25,7 +25,7 @@ perplexity, both on the validation sample, and against a control: the same steps
 schedule of plain next-token training (`minillm.gqa.uptrain` with `distill_settings(...)`), so that
 more training alone is not credited to distillation.
 
-Measured by benchmarks/compression_cpu.py (results/compression_cpu.json): 200 steps of 4 x 128
+Measured by benchmarks/compression.py (results/compression_cpu.json): 200 steps of 4 x 128
 tokens (43 s on one CPU core) raise the draft's greedy agreement with the target on the validation
 sample from 57.8% to 61.5%, perplexity 53.6 -> 54.0; the control lowers agreement to 54.0% and
 raises perplexity to 60.5. The shipped training sample is small (39k tokens, seen 2.6 times): the

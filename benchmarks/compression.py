@@ -14,7 +14,7 @@ Perplexity is `minillm.eval.perplexity(model, validation_ids(tokenizer), max_win
 first 64 windows of 256 tokens of the shipped validation sample (the model cards use 256 windows of
 the full validation split, so their numbers differ); agreement is over the same 64 windows.
 
-    python benchmarks/compression_cpu.py          # writes results/compression_cpu.json
+    python benchmarks/compression.py          # writes results/compression_cpu.json
 """
 
 from __future__ import annotations
