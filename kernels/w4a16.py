@@ -121,7 +121,8 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     N = packed.shape[0]
     if packed.shape[1] * 2 != K or K % group_size or scale.shape != (N, K // group_size) or zero.shape != scale.shape:
         raise ValueError(f"shapes disagree: x [{M}, {K}], packed {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
-                         f"zero {tuple(zero.shape)}, group_size {group_size}.")
+                         f"zero {tuple(zero.shape)}, group_size {group_size}; build the weight of x's width K with "
+                         "minillm.quant.quantize_int(w, 4, group_size, symmetric=False) (its codes, scale, zero).")
     if group_size % block_k or block_k % 8:
         raise ValueError(f"block_k ({block_k}) must be a multiple of 8 and divide group_size ({group_size}).")
     return M, N, K

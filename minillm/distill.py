@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minillm.model import Transformer
-from minillm.train import TrainSettings, lr_at, make_optimizer, pytorch_attention, sample_batch
+from minillm.train import TrainSettings, lr_at, make_optimizer, optimizer_step, sample_batch
 
 # Sized so that `distill`'s defaults run in under a minute on a CPU core with the shipped pair (most
 # of each step is the 11M teacher's forward pass): 200 steps of 4 x 128 tokens, 102k tokens, 2.6
@@ -95,23 +95,16 @@ def distill_step(
     """One optimiser step of the student towards the teacher on batch [B, T + 1]; returns the loss before it.
 
     The inputs are batch[:, :-1], exactly what `minillm.train.train_step` feeds the model (its last
-    column, the final target, is unused here). Gradients clipped to norm 1, as in `train_step`.
+    column, the final target, is unused here), through the same `optimizer_step` as `train_step`.
     """
-    student.train()
     x = batch[:, :-1].to(student.device)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    with torch.autocast(student.device.type, dtype=torch.bfloat16, enabled=student.device.type == "cuda"), \
-            pytorch_attention():
+
+    def loss() -> torch.Tensor:
         with torch.no_grad():
             target = teacher(x.to(teacher.device)).to(student.device)
-        logits = student(x)
-    loss = distillation_loss(logits, target, temperature)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-    optimizer.step()
-    return loss.detach()
+        return distillation_loss(student(x), target, temperature)
+
+    return optimizer_step(student, optimizer, lr, loss)
 
 
 def distill(

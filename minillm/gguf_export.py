@@ -198,10 +198,11 @@ def read_gguf(path: str | Path, config: ModelConfig | None = None) -> Transforme
     for t in reader.tensors:
         by_gguf[t.name] = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).float()
     if config is None:
-        config = _config_from(reader)
+        config = _config_from(reader, tied="output.weight" not in by_gguf)
     tensors = {}
     names = [f"model.layers.{i}.{n}" for i in range(config.n_layers) for n in _BLOCK_NAMES]
-    for name in names + ["model.embed_tokens.weight", "model.norm.weight"]:
+    top = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
+    for name in names + top:
         t = by_gguf[gguf_name(name)]
         if name.endswith("q_proj.weight"):
             t = interleaved_to_rotary(t, config.n_heads)
@@ -211,7 +212,7 @@ def read_gguf(path: str | Path, config: ModelConfig | None = None) -> Transforme
     return build_model(config, tensors).eval()
 
 
-def _config_from(reader) -> ModelConfig:  # noqa: ANN001 - a gguf.GGUFReader
+def _config_from(reader, tied: bool) -> ModelConfig:  # noqa: ANN001 - a gguf.GGUFReader
     def field(key: str) -> float:
         return reader.fields[f"llama.{key}"].contents()
 
@@ -221,5 +222,5 @@ def _config_from(reader) -> ModelConfig:  # noqa: ANN001 - a gguf.GGUFReader
         dim=dim, n_layers=int(field("block_count")), n_heads=heads, n_kv_heads=int(field("attention.head_count_kv")),
         head_dim=int(field("rope.dimension_count")), ffn_dim=int(field("feed_forward_length")), vocab_size=vocab,
         max_seq_len=int(field("context_length")), rope_theta=float(field("rope.freq_base")),
-        norm_eps=float(field("attention.layer_norm_rms_epsilon")), tie_embeddings=True,
+        norm_eps=float(field("attention.layer_norm_rms_epsilon")), tie_embeddings=tied,
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from minillm.config import ModelConfig
-from minillm.kv_quant import SCALE_DTYPE, dequantize_kv, is_quantized_dtype, kv_storage_dtype, quantize_kv
+from minillm.kv_quant import allocate_pools, dequantize_kv, kv_storage_dtype, quantize_kv
 from minillm.model import CAUSAL, attention_mask, use_triton_attention
 
 
@@ -51,13 +51,8 @@ class KVCache:
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
-        self.k_scale: list[torch.Tensor] | None = None  # [B, n_kv_heads, max_len] per layer, when quantised
-        self.v_scale: list[torch.Tensor] | None = None
-        if is_quantized_dtype(storage):
-            self.k_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
-            self.v_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
+        # K, V codes of `shape`; fp32 scales [B, n_kv_heads, max_len] per layer, when quantised (None when not)
+        self.k, self.v, self.k_scale, self.v_scale = allocate_pools(config.n_layers, shape, storage, device)
         self.max_len = max_len
         self.seq_len = 0  # positions filled so far (the same for every row)
 

@@ -66,6 +66,21 @@ def is_quantized_dtype(storage: torch.dtype) -> bool:
     return storage in _STORAGE.values()
 
 
+Pools = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]
+
+
+def allocate_pools(n_layers: int, shape: tuple[int, ...], storage: torch.dtype, device: torch.device | str) -> Pools:
+    """(k, v, k_scale, v_scale): per layer, zeroed K and V of `shape` in `storage`, and, when `storage` is an 8-bit
+    code dtype, zeroed fp32 scales of shape[:-1] (one per head vector); the scales are None otherwise.
+    The one allocation both caches share (`KVCache`: [B, H_kv, T, d]; `PagedKVCache`: [blocks, block_size, H_kv, d])."""
+    def zeros(s: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.zeros(s, device=device, dtype=dtype) for _ in range(n_layers)]
+
+    scales = is_quantized_dtype(storage)
+    return (zeros(shape, storage), zeros(shape, storage),
+            zeros(shape[:-1], SCALE_DTYPE) if scales else None, zeros(shape[:-1], SCALE_DTYPE) if scales else None)
+
+
 def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values x [..., head_dim] -> (codes [..., head_dim] in `storage`, scales [...] fp32) (chapter 06).
 

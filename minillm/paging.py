@@ -65,9 +65,8 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.kv_quant import (
-    SCALE_DTYPE,
+    allocate_pools,
     dequantize_kv,
-    is_quantized_dtype,
     kv_bytes_per_token,
     kv_storage_dtype,
     quantize_kv,
@@ -324,13 +323,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=storage) for _ in range(config.n_layers)]
-        self.k_scale: list[torch.Tensor] | None = None  # [num_blocks, block_size, n_kv_heads] per layer, if quantised
-        self.v_scale: list[torch.Tensor] | None = None
-        if is_quantized_dtype(storage):
-            self.k_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
-            self.v_scale = [torch.zeros(shape[:-1], device=device, dtype=SCALE_DTYPE) for _ in range(config.n_layers)]
+        # K, V codes of `shape`; fp32 scales [num_blocks, block_size, n_kv_heads] per layer when quantised, else None
+        self.k, self.v, self.k_scale, self.v_scale = allocate_pools(config.n_layers, shape, storage, device)
         self.block_tables: dict[Hashable, BlockTable] = {}
 
     @property

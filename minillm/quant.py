@@ -296,9 +296,8 @@ def bits_per_weight(q: Quantized) -> float:
 # --------------------------------------------------------------------------- activations (W8A8, LLM.int8)
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic int8 absmax per row (token): x [..., K] -> (q int8 [..., K], scale fp32 [..., 1])."""
-    scale = x.float().abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8), scale
+    scale, _ = int_grid(x, 8, symmetric=True)  # absmax / 127 per row, 1 for an all-zero row
+    return int_round(x, scale, None, 8).to(torch.int8), scale[..., None]
 
 
 def int8_matmul(x: torch.Tensor, w: IntQuantized) -> torch.Tensor:

@@ -20,7 +20,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -193,26 +193,34 @@ def pytorch_attention() -> Iterator[None]:
             os.environ["MINILLM_TRITON"] = before
 
 
-def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float) -> torch.Tensor:
-    """One optimiser step on batch [B, T + 1] (inputs [:, :-1], targets [:, 1:]); returns the loss before it.
-
-    Next-token cross-entropy (bf16 autocast on CUDA, fp32 elsewhere; attention in PyTorch, see
-    `pytorch_attention`), gradients clipped to norm 1.
-    The returned loss is a detached scalar tensor: call `.item()` only when you need the number.
-    """
+def optimizer_step(
+    model: Transformer, optimizer: torch.optim.Optimizer, lr: float, compute_loss: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """Set the learning rate, compute_loss() (bf16 autocast on CUDA, fp32 elsewhere; attention in PyTorch,
+    see `pytorch_attention`), backpropagate, clip gradients to norm 1, step. Returns the detached loss.
+    Shared by `train_step` and `minillm.distill.distill_step`, which differ only in the loss."""
     model.train()
-    batch = batch.to(model.device)
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"), \
             pytorch_attention():
-        logits = model(batch[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss = compute_loss()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return loss.detach()
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float) -> torch.Tensor:
+    """One optimiser step on batch [B, T + 1] (inputs [:, :-1], targets [:, 1:]); returns the loss before it.
+
+    Next-token cross-entropy through `optimizer_step` (autocast, PyTorch attention, gradients clipped to norm 1).
+    The returned loss is a detached scalar tensor: call `.item()` only when you need the number.
+    """
+    batch = batch.to(model.device)
+    return optimizer_step(model, optimizer, lr, lambda: F.cross_entropy(
+        model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten()))
 
 
 def fit(
