@@ -29,8 +29,9 @@ and the GPU fast path (issue 16) adds two small fused kernels for the decode ste
 
 and chapter 06 the int4-weight matmul, dequantising in registers (`minillm.quant.QuantLinear` calls it on CUDA):
 
-    w4a16_matmul(x, packed, scale, zero, group)   GEMV for a few rows (decode), tiled GEMM above (prefill)
-    w4a16_reference(...)                          dequantise to a full matrix, then matmul
+    w4a16_pack(q)                                 an IntQuantized int4 weight repacked for the kernels, once
+    w4a16_matmul(x, weight)                       GEMV for a few rows (decode), tiled GEMM above (prefill)
+    w4a16_reference(x, weight)                    dequantise to a full matrix, then matmul
 
 `import minillm.kernels` works on a machine without Triton: the names are then missing, and
 asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
@@ -50,7 +51,7 @@ import importlib.util
 __all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
            "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
            "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference",
-           "w4a16_matmul", "w4a16_reference"]
+           "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -65,7 +66,7 @@ if TRITON_AVAILABLE:
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference
     from .swiglu import silu_and_mul, silu_and_mul_reference
-    from .w4a16 import w4a16_matmul, w4a16_reference
+    from .w4a16 import w4a16_matmul, w4a16_pack, w4a16_reference
 else:
 
     def __getattr__(name: str) -> object:

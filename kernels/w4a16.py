@@ -1,181 +1,267 @@
 """W4A16: a matrix multiply that reads 4-bit weights and dequantises them in registers (chapter 06).
 
-The weight W [N, K] is stored as `minillm.quant.IntQuantized` with bits=4, asymmetric, in groups of
-G inputs (128): packed uint8 [N, K/2] (byte i of a row holds code 2i in its low nibble, 2i+1 in its
-high one), scale and zero [N, K/G] fp32, w = (q - z) * s. Activations stay in 16 bits (bf16/fp16).
-
 Why it speeds up decode. At batch 1 every weight byte is read once per token and used for one
 multiply-add: the step is bound by memory bandwidth, so reading 0.5 bytes per weight (+ the group's
-scale and zero) instead of 2 makes it up to ~3.5x faster. The dequantisation costs arithmetic,
-which a memory-bound kernel has to spare. At large batch the same weight serves many rows, the
-matmul is compute-bound, and fewer weight bytes buy little: the tensor cores still multiply in 16 bits.
+scale and zero) instead of 2 makes it up to ~3.8x faster. The dequantisation costs arithmetic,
+which a memory-bound kernel has to spare -- if it spends little of it. At large batch the same weight
+serves many rows, the matmul is compute-bound, and fewer weight bytes buy little.
 
 Why a naive int4 path is no faster: dequantising the whole matrix to bf16 in one kernel and then
 calling the bf16 matmul reads 0.5 bytes, writes 2 and reads 2 again per weight: more traffic than
-bf16 alone, plus a launch. The point of a fused kernel is that the 16-bit weights never touch memory.
+bf16 alone. The point of a fused kernel is that the 16-bit weights never touch memory.
+
+The kernels' layout (`W4A16Weight`, built once from a `minillm.quant.IntQuantized` by `w4a16_pack`).
+Every fast int4 kernel repacks its weights into a layout made for its loads; this is ours:
+  words [N, K/8] int32: the 16 words of group g (G = 128 inputs) hold its 128 codes so that nibble c
+    of word p is input g*G + c*16 + p. A thread that holds 4 consecutive words therefore needs, for
+    each nibble c, 4 consecutive inputs: one small vector load instead of 4 scattered ones.
+  scale_zero [N, K/G] int32: the group's scale and zero as two fp16 halves (low: scale, high: zero),
+    one 4-byte load per group. fp16 is what GPTQ and AWQ checkpoints store; the scale is rounded to
+    it (a relative change under 5e-4, far below the 4-bit rounding itself).
+  That is 4.25 bits per weight: 0.53 bytes.
 
 Two kernels:
-  GEMV (decode, few rows): each program owns BLOCK_N output features of one row and walks K a few
-    groups at a time, reading the packed codes as int32 words (8 codes each); a group's scale factors
-    out of its dot product, so per group it computes s * (sum(q * x) - z * sum(x)), with no per-weight
-    multiply by s. K may be split over SPLIT_K programs (fp32 atomic adds) so that a narrow layer still
-    fills the GPU.
-  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N; each step unpacks a tile of words into the
-    dequantised [BLOCK_K, BLOCK_N] weight tile, fed to tl.dot in the activations' dtype.
+  GEMV (decode, few rows): one program per (row of x, BLOCK_N outputs, K split). The 32 lanes of each
+    warp and all the warps spread along K, each thread holding 4 consecutive words of every one of its
+    BLOCK_N rows, so one input value serves BLOCK_N weights and every weight load is 16 bytes wide.
+    Dequantising costs 2.5 instructions per weight (see `_nibble`); the group's scale and zero are
+    applied once per word, not per weight.
+  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, one group of K per step: the [16, BLOCK_N]
+    tile of words is unpacked into the [128, BLOCK_N] weight tile (nibble c of word p is row 16c + p,
+    the input order), dequantised and fed to one tl.dot in the activations' dtype.
 
 `w4a16_reference` is the definition (dequantise, then matmul). Under Triton's CPU interpreter
 (TRITON_INTERPRET=1) use fp32 or fp16 activations: its bf16 tl.dot is not exact.
 """
 
-# ruff: noqa: N803 - Triton kernels name compile-time constants and pointers in capitals (BLOCK_N, X)
+# ruff: noqa: N803, N806 - Triton kernels name compile-time constants and pointers in capitals (BLOCK_N, X)
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 1  # up to this many rows (tokens), the GEMV kernel; above, the tiled GEMM (faster on an H100)
+GEMV_MAX_ROWS = 1  # up to this many rows (tokens), the GEMV kernel; above, the tiled GEMM
+
+# The nibble trick's constants (see `_nibble`), passed to the GEMV as arguments rather than written into
+# it: as arguments they sit in the constant bank, which an instruction can read directly, whereas literal
+# constants were rebuilt in registers before almost every use (0.5 extra instructions per weight in the
+# compiled code).
+MASK_12, MASK_16 = 0xF << 12, 0xF << 16  # a nibble at bits 12-15, at bits 16-19
+FLOAT_2048, FLOAT_128 = 138 << 23, 134 << 23  # the bits of the floats 2048.0 and 128.0
 
 
-def w4a16_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """x [M, K] @ dequantised(W)^T -> [M, N] in x's dtype (summed in fp32, or fp64 for fp64 scales)."""
-    low, high = packed & 0x0F, packed >> 4
-    q = torch.stack((low, high), dim=-1).flatten(-2).to(scale.dtype)  # [N, K]
-    w = (q.reshape(q.shape[0], -1, group_size) - zero[..., None]) * scale[..., None]
-    return (x.to(w.dtype) @ w.reshape(q.shape).T).to(x.dtype)
+@dataclass
+class W4A16Weight:
+    """An int4 weight W [N, K] in the kernels' layout (see the module's docstring)."""
+
+    words: torch.Tensor  # int32 [N, K / 8]
+    scale_zero: torch.Tensor  # int32 [N, K / group_size]: fp16 scale (low half), fp16 zero (high half)
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0], self.words.shape[1] * 8
+
+
+def w4a16_pack(q) -> W4A16Weight:  # noqa: ANN001 - a minillm.quant.IntQuantized
+    """Repack a 4-bit asymmetric grouped `IntQuantized` into the kernels' layout (once, at load time)."""
+    if q.bits != 4 or q.zero is None:
+        raise ValueError("W4A16 needs an asymmetric 4-bit weight: quantize_int(w, 4, group_size, symmetric=False).")
+    N, K = q.shape
+    G = q.group_size
+    if G % 16 or K % G or G > K:
+        raise ValueError(f"W4A16 needs groups of a multiple of 16 inputs that divide K = {K}, got {G}: "
+                         "quantize with group_size=128 (or 64, 32).")
+    codes = q.int_codes().long().reshape(N, K // G, 8, G // 8)  # [N, groups, nibble c, word p]
+    words = (codes << (4 * torch.arange(8, device=codes.device))[:, None]).sum(2)  # 0 .. 2^32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+    if not torch.isfinite(q.scale.half()).all() or ((q.scale.half() == 0) & (q.scale != 0)).any():
+        raise ValueError("a group's scale is outside fp16's range (6e-8 .. 65504): rescale the weight first.")
+    scale_zero = torch.stack((q.scale.half(), q.zero.half()), dim=-1).view(torch.int32).squeeze(-1)
+    return W4A16Weight(words.reshape(N, K // 8).contiguous(), scale_zero.contiguous(), G)
+
+
+def w4a16_dequantize(weight: W4A16Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The matrix a `W4A16Weight` stands for, [N, K] in `dtype`: (q - zero) * scale per group."""
+    N, K = weight.shape
+    G = weight.group_size
+    shifts = 4 * torch.arange(8, device=weight.words.device, dtype=torch.int32)
+    words = weight.words.reshape(N, K // G, 1, G // 8)
+    q = ((words >> shifts[:, None]) & 0xF).reshape(N, K // G, G)  # input c*16 + p of the group at [c, p]
+    sz = weight.scale_zero.unsqueeze(-1).view(torch.float16)  # [N, groups, 2]
+    scale, zero = sz[..., 0].to(dtype), sz[..., 1].to(dtype)
+    return ((q.to(dtype) - zero[..., None]) * scale[..., None]).reshape(N, K)
+
+
+def w4a16_reference(x: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N], the definition: dequantise in x's dtype (fp64 for an exact reference), matmul."""
+    return x @ w4a16_dequantize(weight, x.dtype).T
 
 
 @triton.jit
-def _gemv_kernel(X, WORDS, SCALE, ZERO, OUT, N, K, stride_xm, stride_om, n_groups,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Program (n-block, row m, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs.
+def _nibble(w, c: tl.constexpr, MASK_12, MASK_16, FLOAT_2048, FLOAT_128):
+    """Nibble c of each int32 word w as a float, 2048 + q (nibbles 0, 2, 3, 6) or 128 + q (1, 4, 5, 7).
 
-    The packed bytes are read as int32 words of 8 codes (code c of word j = bits 4c..4c+3 = input
-    8j + c), a [BLOCK_N, BLOCK_K / 8] tile per step. Code c of every word is multiplied by input
-    8j + c; per word, (q - z) s x summed over its 8 codes is s (sum(q x) - z sum(x)).
+    No int-to-float conversion: the word is shifted so that the nibble sits at bits 12-15 (or 16-19) of
+    the mantissa, masked, and ORed with the bits of 2048.0 (128.0). The mantissa's lowest bit is then
+    worth 2048 / 2^23 = 1/4096, so bits 12-15 hold q in units of exactly 1: the float is 2048 + q.
+    One shift per two nibbles, one LOP3 (mask and or) per nibble. The caller multiplies by the input
+    as is and subtracts 2048 (or 128) times the input once per word, for all rows at once; fp32
+    keeps q * x to 2^-24 * 2048, about 1e-4 of x: far below bf16's rounding.
     """
-    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    words = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    k_len = K // SPLIT_K
-    for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
-        w = tl.load(WORDS + rows[:, None].to(tl.int64) * (K // 8) + k0 // 8 + words[None, :],
-                    mask=row_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
-        group = (k0 + 8 * words) // GROUP  # each word's group
-        s = tl.load(SCALE + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
-        z = tl.load(ZERO + rows[:, None] * n_groups + group[None, :], mask=row_ok[:, None], other=0.0)
-        z_magic = z + 8388608.0  # 2^23 + z: see the bit trick below
-        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        for c in tl.static_range(8):
-            x_c = tl.load(X + m * stride_xm + k0 + 8 * words + c).to(tl.float32)  # inputs 8j + c
-            # int -> float without a (slow) conversion instruction: a 4-bit q ORed into the mantissa of
-            # 2^23 is the float 2^23 + q exactly; subtracting 2^23 + z leaves q - z.
-            q_magic = (((w >> (4 * c)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            qx += (q_magic - z_magic) * x_c[None, :]
-        acc += s * qx  # the group's scale, once per word instead of once per weight
-    out = tl.sum(acc, axis=1)
-    if SPLIT_K == 1:
-        tl.store(OUT + m * stride_om + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
+    if c == 0:
+        b = w << 12  # nibble 0: bits 0-3 -> 12-15
+    elif c == 1:
+        b = w << 12  # nibble 1: bits 4-7 -> 16-19
+    elif c == 2:
+        b = w << 4  # 8-11 -> 12-15
+    elif c == 3:
+        b = w  # 12-15
+    elif c == 4:
+        b = w  # 16-19
+    elif c == 5:
+        b = w >> 4  # 20-23 -> 16-19
+    elif c == 6:
+        b = w >> 12  # 24-27 -> 12-15
     else:
-        tl.atomic_add(OUT + m * stride_om + rows, out, mask=row_ok)
+        b = w >> 12  # 28-31 -> 16-19
+    if c == 1 or c == 4 or c == 5 or c == 7:
+        return ((b & MASK_16) | FLOAT_128).to(tl.float32, bitcast=True)
+    return ((b & MASK_12) | FLOAT_2048).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _gemm_kernel(X, WORDS, SCALE, ZERO, OUT, M, N, K, stride_xm, stride_om, n_groups,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Program (m-block, n-block): a BLOCK_M x BLOCK_N output tile. Per step, the [BLOCK_K / 8, BLOCK_N]
-    tile of words is unpacked into the [BLOCK_K, BLOCK_N] weight tile (word j's code c is input 8j + c),
-    dequantised and fed to one tl.dot. BLOCK_K <= GROUP: one scale per output per step."""
+def _gemv_kernel(X, WORDS, SZ, OUT, N, K_WORDS, N_GROUPS, stride_xm, stride_om,
+                 MASK_12, MASK_16, FLOAT_2048, FLOAT_128,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program (row m, n-block, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs, BLOCK_W words a step.
+
+    Per word p of group g: sum_c (q_c - z) s x_c = s (sum_c (M_c + q_c) x_c - sum_c M_c x_c - z sum_c x_c),
+    where M_c + q_c is `_nibble`'s float; the two sums over x alone are shared by the BLOCK_N rows.
+    """
+    m, pid_n, pid_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    WG: tl.constexpr = GROUP // 8  # words per group
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows[:, None] < N
+    j = tl.arange(0, BLOCK_W)  # word of the step
+    w_ptrs = WORDS + rows[:, None].to(tl.int64) * K_WORDS + j[None, :]  # [BLOCK_N, BLOCK_W]
+    sz_ptrs = SZ + rows[:, None] * N_GROUPS + (j // WG)[None, :]  # each word's group
+    x_ptrs = X + m * stride_xm + (j // WG) * GROUP + j % WG  # [BLOCK_W]: the input of nibble 0 of each word
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    kw_len = K_WORDS // SPLIT_K
+    for kw in range(pid_k * kw_len, (pid_k + 1) * kw_len, BLOCK_W):
+        w = tl.load(w_ptrs + kw, mask=row_ok, other=0)
+        sz = tl.load(sz_ptrs + kw // WG, mask=row_ok, other=0)
+        qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # sum_c (M_c + q_c) x_c, per row and word
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum_c x_c
+        mx_sum = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum_c M_c x_c
+        for c in tl.static_range(8):
+            x_c = tl.load(x_ptrs + kw * 8 + c * WG).to(tl.float32)  # input c*16 + p of each word's group
+            qx += _nibble(w, c, MASK_12, MASK_16, FLOAT_2048, FLOAT_128) * x_c[None, :]
+            x_sum += x_c
+            mx_sum += (128.0 if c == 1 or c == 4 or c == 5 or c == 7 else 2048.0) * x_c
+        scale = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        zero = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        acc += scale * (qx - (mx_sum[None, :] + zero * x_sum[None, :]))
+    out = tl.sum(acc, axis=1)
+    rows_ok = rows < N
+    if SPLIT_K == 1:
+        tl.store(OUT + m * stride_om + rows, out.to(OUT.dtype.element_ty), mask=rows_ok)
+    else:
+        tl.atomic_add(OUT + m * stride_om + rows, out, mask=rows_ok)
+
+
+@triton.jit
+def _gemm_kernel(X, WORDS, SZ, OUT, M, N, K, stride_xm, stride_om, n_groups,
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (m-block, n-block): a BLOCK_M x BLOCK_N output tile, one group of K per step. The [GROUP / 8,
+    BLOCK_N] tile of words unpacks into [8, GROUP / 8, BLOCK_N] (nibble c of word p at [c, p]), which in
+    that order is the [GROUP, BLOCK_N] tile of inputs; dequantised, it feeds one tl.dot."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    WG: tl.constexpr = GROUP // 8
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    words = tl.arange(0, BLOCK_K // 8)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     shifts = 4 * tl.arange(0, 8)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + k0 + tl.arange(0, BLOCK_K)[None, :],
-                    mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(WORDS + rn[None, :].to(tl.int64) * (K // 8) + k0 // 8 + words[:, None],
-                    mask=n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N] int32
-        s = tl.load(SCALE + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-        z_magic = tl.load(ZERO + rn * n_groups + k0 // GROUP, mask=n_ok, other=0.0)[None, :] + 8388608.0
-        q = (w[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: input 8j + c at [j, c]
-        q_magic = tl.reshape(q | 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True)  # 2^23 + q
-        acc += tl.dot(x, ((q_magic - z_magic) * s).to(x.dtype), input_precision=PRECISION)
+    for g in range(0, n_groups):
+        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + g * GROUP + tl.arange(0, GROUP)[None, :],
+                    mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
+        w = tl.load(WORDS + rn[None, :].to(tl.int64) * (K // 8) + g * WG + tl.arange(0, WG)[:, None],
+                    mask=n_ok[None, :], other=0)  # [WG, BLOCK_N] int32
+        sz = tl.load(SZ + rn * n_groups + g, mask=n_ok, other=0)
+        scale = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[None, :]
+        zero_magic = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[None, :] + 8388608.0
+        q = (w[None, :, :] >> shifts[:, None, None]) & 0xF  # [8, WG, BLOCK_N]: input c * WG + p at [c, p]
+        # int -> float without a conversion instruction: q ORed into the mantissa of 2^23 is the float 2^23 + q
+        q_magic = tl.reshape(q | 0x4B000000, [GROUP, BLOCK_N]).to(tl.float32, bitcast=True)
+        acc += tl.dot(x, ((q_magic - zero_magic) * scale).to(x.dtype), input_precision=PRECISION)
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-           block_k: int) -> tuple[int, int, int]:
-    if x.dim() != 2 or packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"expected x [M, K] and packed uint8 [N, K/2], got {tuple(x.shape)} and "
-                         f"{tuple(packed.shape)} {packed.dtype}.")
-    M, K = x.shape
-    N = packed.shape[0]
-    if packed.shape[1] * 2 != K or K % group_size or scale.shape != (N, K // group_size) or zero.shape != scale.shape:
-        raise ValueError(f"shapes disagree: x [{M}, {K}], packed {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
-                         f"zero {tuple(zero.shape)}, group_size {group_size}; build the weight of x's width K with "
-                         "minillm.quant.quantize_int(w, 4, group_size, symmetric=False) (its codes, scale, zero).")
-    if group_size % block_k or block_k % 8:
-        raise ValueError(f"block_k ({block_k}) must be a multiple of 8 and divide group_size ({group_size}).")
-    return M, N, K
+def _check(x: torch.Tensor, weight: W4A16Weight) -> tuple[int, int, int]:
+    if not isinstance(weight, W4A16Weight):
+        raise TypeError(f"expected a W4A16Weight (w4a16_pack(quantize_int(w, 4, 128, symmetric=False))), "
+                        f"got {type(weight).__name__}.")
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)} against a weight of {N} outputs x {K} inputs; "
+                         "x must be [M, K] with the K the weight was quantised with.")
+    return x.shape[0], N, K
 
 
-def w4a16_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-               block_n: int = 8, groups_per_block: int = 2, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
-    """x [M, K] (M small) @ W^T -> [M, N] in x's dtype; one program per (block_n outputs, row, K split),
-    each step over `groups_per_block` groups of inputs."""
-    M, N, K = _check(x, packed, scale, zero, group_size, 8)
-    while groups_per_block > 1 and K % (split_k * group_size * groups_per_block):
-        groups_per_block //= 2  # a narrow layer: fewer groups per step
-    block_k = group_size * groups_per_block
-    if K % (split_k * block_k):
-        raise ValueError(f"split_k * group_size * groups_per_block ({split_k} * {group_size} * {groups_per_block}) "
-                         f"must divide K = {K}, and group_size must be a multiple of 8.")
+def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int = 4, words_per_thread: int = 4,
+               num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
+    """x [M, K] (M small) @ W^T -> [M, N] in x's dtype. Each step covers words_per_thread * 32 * num_warps
+    words of block_n rows (fewer when that does not divide a K split); K may be split over `split_k` programs."""
+    M, N, K = _check(x, weight)
+    k_words, group_words = K // 8, weight.group_size // 8
+    if k_words % split_k or (k_words // split_k) % group_words:
+        raise ValueError(f"split_k = {split_k} must divide K = {K} into whole groups of {weight.group_size}.")
+    block_w = words_per_thread * 32 * num_warps
+    while (k_words // split_k) % block_w and block_w > group_words:
+        block_w //= 2  # a K split that is not a multiple of the step: smaller steps
+    if (k_words // split_k) % block_w or block_w % group_words:
+        raise ValueError(f"no power-of-two step of whole groups divides K / split_k = {K // split_k}: pick "
+                         "split_k so that it is a power-of-two multiple of the group size.")
     x = x.contiguous()
-    out = torch.zeros(M, N, device=x.device, dtype=torch.float32 if split_k > 1 else x.dtype)
-    grid = (triton.cdiv(N, block_n), M, split_k)
-    words = packed.contiguous().view(torch.int32)  # [N, K/8]: 8 codes per word, little-endian = input order
-    _gemv_kernel[grid](x, words, scale, zero, out, N, K, x.stride(0), out.stride(0), K // group_size,
-                       GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype) if split_k == 1 else torch.zeros(
+        M, N, device=x.device, dtype=torch.float32)  # split K: the programs add their parts
+    grid = (M, triton.cdiv(N, block_n), split_k)
+    _gemv_kernel[grid](x, weight.words, weight.scale_zero, out, N, k_words, K // weight.group_size,
+                       x.stride(0), out.stride(0), MASK_12, MASK_16, FLOAT_2048, FLOAT_128,
+                       GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_W=block_w, SPLIT_K=split_k,
+                       num_warps=num_warps)
     return out.to(x.dtype)
 
 
-def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-               block_m: int = 64, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+def w4a16_gemm(x: torch.Tensor, weight: W4A16Weight, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                num_stages: int = 3) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, tiled for many rows (prefill). block_k divides group_size."""
-    M, N, K = _check(x, packed, scale, zero, group_size, block_k)
+    """x [M, K] @ W^T -> [M, N] in x's dtype, tiled for many rows (prefill), one group of K per step."""
+    M, N, K = _check(x, weight)
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    words = packed.contiguous().view(torch.int32)  # [N, K/8]
-    _gemm_kernel[grid](x, words, scale, zero, out, M, N, K, x.stride(0), out.stride(0), K // group_size,
-                       GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _gemm_kernel[grid](x, weight.words, weight.scale_zero, out, M, N, K, x.stride(0), out.stride(0),
+                       K // weight.group_size, GROUP=weight.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact; 16-bit: ignored
                        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
     """x [M, K] @ W^T: the GEMV kernel for up to GEMV_MAX_ROWS rows, the GEMM kernel above."""
     if x.shape[0] <= GEMV_MAX_ROWS:
-        return w4a16_gemv(x, packed, scale, zero, group_size)
-    block_k = 128 if group_size % 128 == 0 else group_size  # the tiles the H100 sweep picked (results/w4a16_cuda.json)
-    return w4a16_gemm(x, packed, scale, zero, group_size, block_m=16 if x.shape[0] <= 16 else 64, block_k=block_k)
+        return w4a16_gemv(x, weight)
+    return w4a16_gemm(x, weight, block_m=16 if x.shape[0] <= 16 else 64)
 
 
-def w4a16_linear(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001 - a minillm.quant.IntQuantized
-    """x [..., K] @ W^T for a 4-bit asymmetric grouped `IntQuantized` W [N, K] -> [..., N] in x's dtype."""
-    if q.bits != 4 or q.zero is None:
-        raise ValueError("w4a16_linear needs an asymmetric 4-bit weight (quantize_int(w, 4, group, symmetric=False)).")
-    y = w4a16_matmul(x.reshape(-1, x.shape[-1]), q.codes, q.scale, q.zero, q.group_size)
+def w4a16_linear(x: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype."""
+    y = w4a16_matmul(x.reshape(-1, x.shape[-1]), weight)
     return y.reshape(*x.shape[:-1], -1)

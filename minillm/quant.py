@@ -349,6 +349,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", input_scale)
         self.act_bits, self.outlier_threshold = act_bits, outlier_threshold
         self.out_features, self.in_features = self.shape
+        self._kernel_weight = None  # on CUDA, a 4-bit weight repacked for the W4A16 kernels (built on first use)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -380,9 +381,11 @@ class QuantLinear(nn.Module):
     def _weight_only_forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized()
         if isinstance(q, IntQuantized) and q.bits == 4 and q.zero is not None and x.is_cuda:
-            from minillm.kernels.w4a16 import w4a16_linear  # the fused kernel reads the packed weights
+            from minillm.kernels.w4a16 import w4a16_linear, w4a16_pack  # the fused kernels, in their own layout
 
-            return w4a16_linear(x, q)
+            if self._kernel_weight is None or self._kernel_weight.words.device != x.device:
+                self._kernel_weight = w4a16_pack(q)  # once: every fast int4 kernel repacks for its loads
+            return w4a16_linear(x, self._kernel_weight)
         return F.linear(x, q.dequantize(x.dtype))
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
