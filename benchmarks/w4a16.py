@@ -37,8 +37,9 @@ from minillm.quant import quantize_int
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 GROUP = 128
 # block_n * words_per_thread <= 32 words a thread: above, the kernel runs out of registers and spills
-GEMV_CONFIGS = [dict(block_n=bn, words_per_thread=wpt, num_warps=w) for bn, wpt in
-                [(4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2)] for w in (1, 2, 4)]
+# (the sweep of 2026-11-25 over block_n 2-16, words_per_thread 2-8, num_warps 1-8 and split_k 1-2 kept these)
+GEMV_CONFIGS = [dict(block_n=bn, words_per_thread=4, num_warps=w, prefetch=pf) for bn, w in
+                [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)] for pf in (False, True)]
 GEMM_CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in
                 [(16, 64, 4), (16, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8)]]
 GEMV_MAX_BATCH = 4  # the GEMV is timed up to this batch

@@ -137,7 +137,8 @@ def _nibble(w, c: tl.constexpr, MASK_12, MASK_16, FLOAT_2048, FLOAT_128):
 @triton.jit
 def _gemv_kernel(X, WORDS, SZ, OUT, N, K_WORDS, N_GROUPS, stride_xm, stride_om,
                  MASK_12, MASK_16, FLOAT_2048, FLOAT_128,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """Program (row m, n-block, k-split): BLOCK_N outputs of row m over K / SPLIT_K inputs, BLOCK_W words a step.
 
     Per word p of group g: sum_c (q_c - z) s x_c = s (sum_c (M_c + q_c) x_c - sum_c M_c x_c - z sum_c x_c),
@@ -153,9 +154,19 @@ def _gemv_kernel(X, WORDS, SZ, OUT, N, K_WORDS, N_GROUPS, stride_xm, stride_om,
     x_ptrs = X + m * stride_xm + (j // WG) * GROUP + j % WG  # [BLOCK_W]: the input of nibble 0 of each word
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     kw_len = K_WORDS // SPLIT_K
-    for kw in range(pid_k * kw_len, (pid_k + 1) * kw_len, BLOCK_W):
-        w = tl.load(w_ptrs + kw, mask=row_ok, other=0)
-        sz = tl.load(sz_ptrs + kw // WG, mask=row_ok, other=0)
+    k_end = (pid_k + 1) * kw_len
+    if PREFETCH:
+        w_next = tl.load(w_ptrs + pid_k * kw_len, mask=row_ok, other=0)
+        sz_next = tl.load(sz_ptrs + pid_k * kw_len // WG, mask=row_ok, other=0)
+    for kw in range(pid_k * kw_len, k_end, BLOCK_W):
+        if PREFETCH:  # issue the next step's loads now, so they travel while this step computes
+            w, sz = w_next, sz_next
+            more = row_ok & (kw + BLOCK_W + tl.zeros([1, BLOCK_W], dtype=tl.int32) < k_end)  # not past the end
+            w_next = tl.load(w_ptrs + kw + BLOCK_W, mask=more, other=0)
+            sz_next = tl.load(sz_ptrs + (kw + BLOCK_W) // WG, mask=more, other=0)
+        else:
+            w = tl.load(w_ptrs + kw, mask=row_ok, other=0)
+            sz = tl.load(sz_ptrs + kw // WG, mask=row_ok, other=0)
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # sum_c (M_c + q_c) x_c, per row and word
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum_c x_c
         mx_sum = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum_c M_c x_c
@@ -216,9 +227,10 @@ def _check(x: torch.Tensor, weight: W4A16Weight) -> tuple[int, int, int]:
 
 
 def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int = 4, words_per_thread: int = 4,
-               num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
+               num_warps: int = 2, split_k: int = 1, prefetch: bool = True) -> torch.Tensor:
     """x [M, K] (M small) @ W^T -> [M, N] in x's dtype. Each step covers words_per_thread * 32 * num_warps
-    words of block_n rows (fewer when that does not divide a K split); K may be split over `split_k` programs."""
+    words of block_n rows (fewer when that does not divide a K split); K may be split over `split_k` programs;
+    `prefetch` loads each step's words during the step before (register double-buffering)."""
     M, N, K = _check(x, weight)
     k_words, group_words = K // 8, weight.group_size // 8
     if k_words % split_k or (k_words // split_k) % group_words:
@@ -236,7 +248,7 @@ def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int = 4, words_per
     _gemv_kernel[grid](x, weight.words, weight.scale_zero, out, N, k_words, K // weight.group_size,
                        x.stride(0), out.stride(0), MASK_12, MASK_16, FLOAT_2048, FLOAT_128,
                        GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_W=block_w, SPLIT_K=split_k,
-                       num_warps=num_warps)
+                       PREFETCH=prefetch, num_warps=num_warps)
     return out.to(x.dtype)
 
 

@@ -76,18 +76,19 @@ def test_reference_is_the_dequantised_matmul():
     torch.testing.assert_close(w4a16_reference(x.double(), weight).cpu(), expected)
 
 
-@pytest.mark.parametrize("M, N, K, group, block_n, words_per_thread, num_warps, split_k", [
-    (1, 96, 256, 128, 4, 1, 1, 1),    # decode: one row, the whole K in one step
-    (1, 40, 512, 128, 8, 1, 1, 2),    # N not a multiple of the block (masked rows), K split in 2
-    (3, 64, 512, 64, 2, 1, 1, 4),     # several rows, smaller groups, 4-way split of K
-    (2, 16, 1024, 128, 4, 1, 2, 1),   # two warps: 64 words a step, 2 steps
-    (1, 8, 768, 32, 1, 1, 1, 1),      # groups of 32; K / 8 = 96 words: the step shrinks to 32 words
+@pytest.mark.parametrize("M, N, K, group, block_n, words_per_thread, num_warps, split_k, prefetch", [
+    (1, 96, 256, 128, 4, 1, 1, 1, True),    # decode: one row, the whole K in one step
+    (1, 40, 512, 128, 8, 1, 1, 2, True),    # N not a multiple of the block (masked rows), K split in 2
+    (3, 64, 512, 64, 2, 1, 1, 4, False),    # several rows, smaller groups, 4-way split of K
+    (2, 16, 1024, 128, 4, 1, 2, 1, True),   # two warps: 64 words a step, 2 steps, the second prefetched
+    (2, 16, 1024, 128, 4, 1, 2, 1, False),  # the same without prefetching
+    (1, 8, 768, 32, 1, 1, 1, 1, True),      # groups of 32; K / 8 = 96 words: the step shrinks to 32 words
 ])
-def test_gemv_matches_reference(M, N, K, group, block_n, words_per_thread, num_warps, split_k):
+def test_gemv_matches_reference(M, N, K, group, block_n, words_per_thread, num_warps, split_k, prefetch):
     x, weight, _ = problem(M, N, K, group, seed=M + N)
     ref = w4a16_reference(x.double(), weight)
     out = w4a16_gemv(x, weight, block_n=block_n, words_per_thread=words_per_thread, num_warps=num_warps,
-                     split_k=split_k)
+                     split_k=split_k, prefetch=prefetch)
     assert out.shape == (M, N) and out.dtype == x.dtype
     assert rel_err(out, ref) < GEMV_FP32_BOUND
 
