@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 1  # up to this many rows (tokens), the GEMV kernel; above, the tiled GEMM
+GEMV_MAX_ROWS = 4  # up to this many rows (tokens) the GEMV, above the tiled GEMM (H100: results/w4a16_cuda.json)
 
 # The nibble trick's constants (see `_nibble`), passed to the GEMV as arguments rather than written into
 # it: as arguments they sit in the constant bank, which an instruction can read directly, whereas literal
@@ -226,12 +226,26 @@ def _check(x: torch.Tensor, weight: W4A16Weight) -> tuple[int, int, int]:
     return x.shape[0], N, K
 
 
-def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int = 4, words_per_thread: int = 4,
-               num_warps: int = 2, split_k: int = 1, prefetch: bool = True) -> torch.Tensor:
+def gemv_config(M: int, K: int) -> dict:
+    """The GEMV's tile for M rows of K inputs: the fastest in the H100 sweep (results/w4a16_cuda.json).
+    One row: 4 outputs a program on one warp; for a long K (down_proj) 8 outputs on 2 warps. A few rows:
+    8 outputs on one warp, no prefetch (each row is its own program; the weights come from L2)."""
+    if M > 1:
+        return dict(block_n=8, num_warps=1, prefetch=False)
+    return dict(block_n=8, num_warps=2, prefetch=True) if K >= 8192 else dict(block_n=4, num_warps=1, prefetch=True)
+
+
+def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int | None = None, words_per_thread: int = 4,
+               num_warps: int | None = None, split_k: int = 1, prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (M small) @ W^T -> [M, N] in x's dtype. Each step covers words_per_thread * 32 * num_warps
     words of block_n rows (fewer when that does not divide a K split); K may be split over `split_k` programs;
-    `prefetch` loads each step's words during the step before (register double-buffering)."""
+    `prefetch` loads each step's words during the step before (register double-buffering). Unset tile
+    arguments come from `gemv_config`."""
     M, N, K = _check(x, weight)
+    default = gemv_config(M, K)
+    block_n = default["block_n"] if block_n is None else block_n
+    num_warps = default["num_warps"] if num_warps is None else num_warps
+    prefetch = default["prefetch"] if prefetch is None else prefetch
     k_words, group_words = K // 8, weight.group_size // 8
     if k_words % split_k or (k_words // split_k) % group_words:
         raise ValueError(f"split_k = {split_k} must divide K = {K} into whole groups of {weight.group_size}.")
