@@ -408,7 +408,7 @@ _NO_CLAMP = ("clamp the codes to 0..15: when the zero point was rounded up, roun
 _INT4_SUSPECTS: list[tuple[Callable, str]] = [
     (_int4_variant(pack="high_even"),
      "the even-indexed code goes in the LOW nibble: byte i = q[2i] | (q[2i + 1] << 4). You put it in the high one "
-     "(minillm's unpack_int4 and its W4A16 kernel read the low nibble first)."),
+     "(minillm's unpack_int4 reads the low nibble first)."),
     (_int4_variant(pack="halves"),
      "pack neighbours: byte i of a row holds codes 2i and 2i + 1 (q[:, 0::2] | (q[:, 1::2] << 4)), not codes i and "
      "i + cols / 2."),
