@@ -126,6 +126,7 @@ class BeamSearch:
         length_penalty: float = 1.0,
         early_stopping: EarlyStopping = False,
         eos: Sequence[int] = (),
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.num_beams, self.max_tokens = model, num_beams, max_tokens
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
@@ -139,7 +140,7 @@ class BeamSearch:
         per_beam = kv_blocks(max_tokens, BLOCK_SIZE) + 1
         num_blocks = kv_blocks(len(prompt_ids), BLOCK_SIZE) + num_beams * per_beam
         self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, device, model.dtype,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
         self._ids = itertools.count()  # a fresh sequence id for every beam ever made
         self.beam_ids = [next(self._ids)]
         self.cache.add_sequence(self.beam_ids[0])
@@ -242,6 +243,7 @@ def beam_search(
     n: int = 1,
     tokenizer: Tokenizer | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[BeamHypothesis]:
     """Beam search from `prompt`; the n best finished hypotheses, best score first (chapter 01).
 
@@ -260,6 +262,7 @@ def beam_search(
         tokenizer: encodes a text prompt and decodes the results.
         eos_token_ids: the ids that end a hypothesis; default the model's and the tokenizer's EOS,
             [] for none.
+        kv_cache_dtype: what the beams' KV cache stores: "auto" (the model's dtype), "int8" or "fp8" (chapter 06).
 
     Example:
         >>> best = beam_search(model, "ROMEO.\\n", num_beams=4, max_tokens=20, tokenizer=tok)[0]
@@ -268,7 +271,7 @@ def beam_search(
     _check_arguments(num_beams, max_tokens, n, early_stopping)
     ids = prepare_prompt(model, prompt, SamplingParams(max_tokens=max_tokens), tokenizer)
     eos = eos_token_ids if eos_token_ids is not None else default_eos_ids(model, tokenizer)
-    search = BeamSearch(model, ids, num_beams, max_tokens, length_penalty, early_stopping, eos)
+    search = BeamSearch(model, ids, num_beams, max_tokens, length_penalty, early_stopping, eos, kv_cache_dtype)
     while search.step():
         pass
     return search.results(n, tokenizer)

@@ -21,6 +21,9 @@ from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
 QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
 QUANT_HELP = ("quantise the weights first (chapter 06): int8/int4/nf4/fp8 round to nearest; gptq-int4, awq-int4 "
               "and smoothquant calibrate on the shipped training sample (default: none)")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # minillm.kv_quant.KV_CACHE_DTYPES, written out likewise
+KV_HELP = ("what the KV cache stores (chapter 06): auto (the model's dtype), or int8 / fp8 with a scale per token "
+           "and head, about half the bytes (default: auto)")
 
 
 def default_model() -> str | None:
@@ -53,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
     chunks = []
-    for chunk in generate_stream(model, prompt_ids, params, tokenizer):
+    for chunk in generate_stream(model, prompt_ids, params, tokenizer, kv_cache_dtype=args.kv_cache_dtype):
         chunks.append(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -98,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if model_name is None:
         raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
     serve(model_name, args.host, args.port, args.max_queue, device=args.device, quant=args.quant,
-          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens)
     return 0
 
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     gen.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
+    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     srv.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
+    srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     srv.add_argument("--num-blocks", type=int, default=None,
                      help="KV-cache blocks (default: max-num-seqs full contexts)")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one forward (default 64)")

@@ -927,12 +927,14 @@ def generate_constrained(
     prompt: str | list[int],
     constraint: str | dict | TokenIndex,
     params: SamplingParams | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> ConstrainedOutput:
     """Generate a completion of `prompt` whose text matches a regex (str) or a JSON schema (dict) (chapter 01).
 
     Pass a prebuilt `TokenIndex` to reuse it across calls; a str or dict builds one each call.
     It runs as one request of the engine (`LLMEngine.add_request(..., constraint=index)`), which at every
-    step masks the logits to the state's allowed tokens, samples, and advances the DFA.
+    step masks the logits to the state's allowed tokens, samples, and advances the DFA. `kv_cache_dtype`:
+    what its KV cache stores, "auto" (the model's dtype), "int8" or "fp8" (chapter 06).
 
     Example:
         >>> out = generate_constrained(model, tok, "Age: ", r"[1-9][0-9]?", SamplingParams(max_tokens=4))
@@ -951,7 +953,7 @@ def generate_constrained(
         index = TokenIndex.from_constraint(constraint, tokenizer, model.config.eos_token_ids)
     if index.is_finished(index.start):  # the pattern allows only the empty string
         return _output(index, ids, [], "stop", index.start)
-    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("constrained", ids, params, arrival_time=start, constraint=index)
     out = engine.run()["constrained", 0]
     state = index.start

@@ -46,6 +46,7 @@ def generate_n(
     prompt: str | list[int],
     params: SamplingParams | None = None,
     tokenizer: Tokenizer | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[CompletionOutput]:
     """Sample params.best_of completions of `prompt` in one batch; return the params.n most likely (chapter 01).
 
@@ -59,6 +60,7 @@ def generate_n(
         prompt: text (with a tokenizer) or token ids.
         params: sampling parameters; best_of (default n) rows are generated, n returned.
         tokenizer: encodes a text prompt, decodes the completions, matches stop strings.
+        kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "int8" or "fp8" (chapter 06).
     Returns:
         n `CompletionOutput`s, highest cumulative log-probability first (ties: lower index first).
     """
@@ -66,7 +68,7 @@ def generate_n(
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
     best_of = params.best_of or params.n
-    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params)
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, kv_cache_dtype=kv_cache_dtype)
     # logprobs=0: each token's log-probability, which the ranking needs, and no top alternatives
     engine.add_request("n", ids, params if params.logprobs is not None else replace(params, logprobs=0),
                        arrival_time=start)

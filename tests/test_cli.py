@@ -147,6 +147,33 @@ def test_main_generate_quantised_equals_generate_on_the_quantised_model(quant, c
         assert expected == plain
 
 
+def test_main_generate_kv_cache_dtype_runs_the_quantised_cache(capsys):
+    """--kv-cache-dtype int8 streams what generate(kv_cache_dtype="int8") returns."""
+    import minillm
+
+    argv = ["generate", "--max-tokens", "12", "--temperature", "0", "--kv-cache-dtype", "int8", "JULIET."]
+    assert main(argv) == 0
+    out, _ = capsys.readouterr()
+    model, tok = minillm.load(minillm.DEFAULT_MODEL)
+    params = minillm.SamplingParams(temperature=0, max_tokens=12)
+    assert out == minillm.generate(model, "JULIET.", params, tok, kv_cache_dtype="int8").text + "\n"
+
+
+def test_main_generate_unknown_kv_cache_dtype_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--kv-cache-dtype", "int4", "Hello"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_cli_choices_match_the_library():
+    """The CLI writes its choices out (so that --help stays light); they must be the library's."""
+    from minillm.kv_quant import KV_CACHE_DTYPES
+    from minillm.quant import QUANT_OPTIONS
+
+    assert minillm.cli.QUANT_CHOICES == QUANT_OPTIONS
+    assert minillm.cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+
+
 def test_main_generate_unknown_quant_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--quant", "int3", "Hello"])

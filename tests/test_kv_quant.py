@@ -359,3 +359,74 @@ def test_task_7_the_engine_turns_cuda_graphs_off_for_a_quantised_cache(monkeypat
     assert not LLMEngine(model, num_blocks=8, kv_cache_dtype="int8").use_cuda_graphs
     with pytest.raises(ValueError, match="quantised"):
         LLMEngine(model, num_blocks=8, kv_cache_dtype="fp8", cuda_graphs=True)
+
+
+# ------------------------------------------------------------------ task 8: every way to generate takes it
+@pytest.fixture
+def engine_caches(monkeypatch):
+    """The kv_cache_dtype of every one-prompt engine built while the test runs (a spy on for_one_prompt)."""
+    seen, original = [], LLMEngine.for_one_prompt.__func__
+
+    def spy(cls, *args, **kwargs):
+        engine = original(cls, *args, **kwargs)
+        seen.append(engine.cache.kv_cache_dtype)
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "for_one_prompt", classmethod(spy))
+    return seen
+
+
+def test_task_8_generate_n_runs_on_a_quantised_cache(shipped, engine_caches):
+    """PROMPTS[1] keeps its greedy tokens on an int8 cache (task 5): both rows of generate_n give them."""
+    from minillm.parallel_sampling import generate_n
+
+    model, tokenizer = shipped
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = minillm.generate(model, PROMPTS[1], greedy, tokenizer).token_ids
+    outs = generate_n(model, PROMPTS[1], SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True),
+                      tokenizer, kv_cache_dtype="int8")
+    assert engine_caches[-1] == "int8"
+    assert [o.token_ids for o in outs] == [expected, expected]
+
+
+def test_task_8_constrained_decoding_runs_on_a_quantised_cache(shipped, engine_caches):
+    from minillm.constrained import generate_constrained
+
+    model, tokenizer = shipped
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = {d: generate_constrained(model, tokenizer, PROMPTS[2], r"[a-z ,]{1,30}", params, kv_cache_dtype=d)
+            for d in ("auto", "int8")}
+    assert engine_caches == ["auto", "int8"]
+    assert outs["int8"].text == outs["auto"].text and outs["int8"].text.strip()
+
+
+def test_task_8_beam_search_runs_on_a_quantised_cache(shipped):
+    """The beams fork and copy blocks of an int8 cache (task 6 checks the scales travel): same best beam, and
+    scores (mean log-probabilities) within the logit noise of task 4."""
+    from minillm.beam import BeamSearch, beam_search
+
+    model, tokenizer = shipped
+    results = {d: beam_search(model, PROMPTS[3], num_beams=3, max_tokens=12, n=3, tokenizer=tokenizer,
+                              kv_cache_dtype=d) for d in ("auto", "int8")}
+    assert results["int8"][0].token_ids == results["auto"][0].token_ids
+    for a, b in zip(results["auto"], results["int8"]):
+        if a.token_ids == b.token_ids:
+            assert abs(a.score - b.score) < 0.02
+    search = BeamSearch(model, tokenizer.encode(PROMPTS[3]), 3, 4, kv_cache_dtype="int8")
+    assert search.cache.kv_cache_dtype == "int8" and search.cache.quantized
+
+
+@pytest.mark.parametrize("call", ["generate_n", "constrained", "beam"])
+def test_task_8_a_bad_kv_cache_dtype_is_a_clear_error_everywhere(shipped, call):
+    from minillm.beam import beam_search
+    from minillm.constrained import generate_constrained
+    from minillm.parallel_sampling import generate_n
+
+    model, tokenizer = shipped
+    params = SamplingParams(max_tokens=4)
+    run = {"generate_n": lambda: generate_n(model, "To be", params, tokenizer, kv_cache_dtype="int4"),
+           "constrained": lambda: generate_constrained(model, tokenizer, "To be", r"[a-z]+", params,
+                                                       kv_cache_dtype="int4"),
+           "beam": lambda: beam_search(model, "To be", 2, 4, tokenizer=tokenizer, kv_cache_dtype="int4")}[call]
+    with pytest.raises(ValueError, match="auto.*int8.*fp8"):
+        run()

@@ -196,15 +196,21 @@ def test_bad_requests_get_the_openai_error_shape_and_a_4xx(server, body, status,
 
 def test_minillm_serve_command_starts_a_server_on_loopback():
     """`minillm serve` in its own process (through serve_in_background): it answers /health and /v1/models on
-    127.0.0.1, with the flags it was given, and is stopped when the block ends."""
+    127.0.0.1, with the flags it was given (here an int8 KV cache, chapter 06), and is stopped when the block ends."""
+    import minillm
     from minillm.server import serve_in_background
 
-    with serve_in_background(MODEL, max_num_seqs=4) as url:
+    with serve_in_background(MODEL, max_num_seqs=4, kv_cache_dtype="int8") as url:
         assert url.startswith("http://127.0.0.1:")
         models = httpx.get(url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         metrics = httpx.get(url + "/metrics").text
         assert "minillm_kv_blocks_total 256.0" in metrics, "4 sequences of 1,024 tokens in blocks of 16"
+        body = {"model": MODEL, "prompt": "JULIET.", "max_tokens": 12, "temperature": 0}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        model, tok = minillm.load(MODEL)
+        params = minillm.SamplingParams(temperature=0, max_tokens=12)
+        assert text == minillm.generate(model, "JULIET.", params, tok, kv_cache_dtype="int8").text
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=1)
 
