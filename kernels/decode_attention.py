@@ -28,6 +28,12 @@ Paged caches (chapter 04): `paged_decode_attention` runs the same kernel on a pa
 [num_blocks, block_size, H_kv, D], finding each key's block in the sequence's block table. Only the
 address of a key changes; the loads, the online softmax and the combine are the same code.
 
+Quantised caches (chapter 06): with `k_scale` and `v_scale` the pools hold int8 or fp8 codes and one
+fp32 scale per (slot, head), and the kernel dequantises as it reads, for free: a code converts exactly
+to the queries' 16-bit dtype, the key scales multiply the scores after the q k^T dot (one scale per
+key column), and the value scales multiply the softmax weights before the p v dot (one per value row).
+The bytes read per key fall from 2 x D x 2 to 2 x (D + 4) in bf16.
+
 Correctness: `decode_attention_reference` is the definition; tests/test_kernels.py compares the two
 at many shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1), and
 benchmarks/decode_attention.py measures GB/s on a GPU against SDPA and the copy bandwidth.
@@ -74,17 +80,18 @@ def decode_attention_reference(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Lengths, BlockTables, O_part, LSE_part,
+    Q, K, V, Lengths, BlockTables, O_part, LSE_part, K_Scale, V_Scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_tm,
+    stride_sb, stride_sn, stride_sh,
     GROUP, CHUNK, S, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     FINAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (b, kv_h, s): the G query heads of KV head kv_h of sequence b, over keys of chunk s.
 
@@ -94,6 +101,9 @@ def _decode_split_kernel(
     With PAGED (chapter 04), K and V are pools [num_blocks, PAGE_SIZE, H_kv, D] (stride_kb steps
     one block, stride_kn one slot in it) and key n of sequence b lives in block
     BlockTables[b, n // PAGE_SIZE] at offset n % PAGE_SIZE: one table lookup per key, then the same loads.
+    With QUANT (chapter 06, paged only) the pools hold 8-bit codes and K_Scale, V_Scale [num_blocks,
+    PAGE_SIZE, H_kv] one fp32 scale per key and value vector: scores = (q . codes) * scale per key, and
+    the softmax weights are multiplied by each value's scale before the p v dot.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_h = tl.program_id(1).to(tl.int64)
@@ -127,17 +137,26 @@ def _decode_split_kernel(
             v_rows = blocks.to(tl.int64) * stride_vb + (cols % PAGE_SIZE) * stride_vn + kv_h * stride_vh
             k_t = tl.load(K + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=inside[None, :], other=0.0)
             v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=inside[:, None], other=0.0)
+            if QUANT:  # 8-bit codes, exact in q's dtype, and their scales, one per (slot, head)
+                s_rows = blocks.to(tl.int64) * stride_sb + (cols % PAGE_SIZE) * stride_sn + kv_h * stride_sh
+                k_scale = tl.load(K_Scale + s_rows, mask=inside, other=0.0)  # [BLOCK_N]
+                v_scale = tl.load(V_Scale + s_rows, mask=inside, other=0.0)
+                k_t, v = k_t.to(q.dtype), v.to(q.dtype)
         else:
             k_t = tl.load(k_ptrs + n * stride_kn, mask=inside[None, :], other=0.0)  # [D, BLOCK_N]
             v = tl.load(v_ptrs + n * stride_vn, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
         if UPCAST:
             k_t, v = k_t.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base-2 scores
+        if QUANT:
+            s = s * k_scale[None, :]  # (q . codes_n) * scale_n = q . k_n
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile of the loop holds a key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p = p * v_scale[None, :]  # sum_n p_n (codes_n * scale_n) = sum_n (p_n * scale_n) codes_n
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -268,6 +287,7 @@ def _launch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple[int, ...], v_strides: tuple[int, ...],
     lengths: torch.Tensor | None, block_tables: torch.Tensor | None, S: int, scale: float | None,
     num_splits: int | None, block_n: int | None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run the split kernel (and the combine kernel) for contiguous or paged K/V; strides in (b, h, n, d) order."""
     B, H, D = q.shape
@@ -285,7 +305,7 @@ def _launch(
     splits = num_splits or choose_num_splits(B, H_kv, S, BLOCK_N)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N  # whole tiles per chunk
     splits = triton.cdiv(S, chunk)
-    upcast = _interpreted() and q.dtype == torch.bfloat16
+    upcast = _interpreted() and q.dtype == torch.bfloat16  # (8-bit codes are converted to q's dtype in the kernel)
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     launch = {} if _interpreted() else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}
 
@@ -296,14 +316,17 @@ def _launch(
         o_part = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     paged = block_tables is not None
+    k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # (unused without scales)
     _decode_split_kernel[(B, H_kv, splits)](
         q, k, v, lengths if lengths is not None else q, block_tables if paged else q, o_part, lse_part,
+        k_scale, v_scale,
         *q.stride(), *k_strides, *v_strides, *o_part.stride(), *lse_part.stride(),
         *(block_tables.stride() if paged else (0, 0)),
+        *(k_scale.stride() if kv_scales is not None else (0, 0, 0)),  # (block, slot, head)
         group, chunk, S, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         HAS_LENGTHS=lengths is not None, FINAL=final, UPCAST=upcast, DOT_PRECISION=precision,
-        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, **launch,
+        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, QUANT=kv_scales is not None, **launch,
     )
     if final:
         return out
@@ -317,16 +340,21 @@ def _launch(
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
-    scale: float | None = None,
+    scale: float | None = None, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention in plain PyTorch: gather each sequence's keys through its block table, then
     `decode_attention_reference` (chapter 04).
 
     q [B, H, D], k_pool and v_pool [num_blocks, block_size, H_kv, D], block_tables [B, M] int,
-    lengths [B] int (1 .. M * block_size) -> [B, H, D].
+    lengths [B] int (1 .. M * block_size) -> [B, H, D]. With k_scale, v_scale [num_blocks, block_size, H_kv]
+    the pools are 8-bit codes (chapter 06), dequantised first (codes x scale, in q's dtype).
     """
     from minillm.paging import gather_kv
 
+    if k_scale is not None:
+        from minillm.kv_quant import dequantize_kv
+
+        k_pool, v_pool = dequantize_kv(k_pool, k_scale, q.dtype), dequantize_kv(v_pool, v_scale, q.dtype)
     S = int(lengths.max())
     k, v = gather_kv(k_pool, block_tables.long(), S), gather_kv(v_pool, block_tables.long(), S)
     return decode_attention_reference(q, k, v, lengths, scale)
@@ -335,7 +363,7 @@ def paged_decode_attention_reference(
 def paged_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
     max_len: int | None = None, scale: float | None = None, *, num_splits: int | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention that reads K and V through block tables: the kernel above, PAGED (chapter 04).
 
@@ -345,11 +373,41 @@ def paged_decode_attention(
     sequence holds (>= 1) -> [B, H, D] in q's dtype, fp32 inside. `max_len`, the largest length, sizes
     the split (pass it when you know it: reading it from a GPU tensor costs a host sync); default
     M * block_size. The block size may be any positive number; 16 is vLLM's default and ours.
+    With k_scale and v_scale [num_blocks, block_size, H_kv] fp32 (a `PagedKVCache` with kv_cache_dtype
+    "int8" or "fp8", chapter 06), the pools hold int8 / float8_e4m3fn codes, dequantised as they are read.
     """
-    _check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    kv_scales = _check_scales(q, k_pool, v_pool, k_scale, v_scale)
+    if kv_scales is None:
+        _check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    else:  # the same checks on empty pools of q's dtype (the codes' dtype is checked above)
+        _check_paged_inputs(q, k_pool[:0].to(q.dtype), v_pool[:0].to(q.dtype), block_tables, lengths)
     S = max_len if max_len is not None else block_tables.shape[1] * k_pool.shape[1]
     # Key n of sequence b is at block_tables[b, n // P] * stride(0) + (n % P) * stride(1): the pool's
     # strides in the kernel's (block, head, slot-in-block, d) order.
     ks, vs = k_pool.stride(), v_pool.stride()
     return _launch(q, k_pool, v_pool, (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3]),
-                   lengths, block_tables, S, scale, num_splits, block_n)
+                   lengths, block_tables, S, scale, num_splits, block_n, kv_scales)
+
+
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a quantised cache's pools hold (minillm.kv_quant)
+
+
+def _check_scales(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(k_scale, v_scale) for 8-bit pools, None for pools in q's dtype; a clear error for any mix-up."""
+    if k_scale is None and v_scale is None:
+        if k_pool.dtype in CODE_DTYPES:
+            raise ValueError(f"the pools hold {k_pool.dtype} codes: pass their scales (k_scale, v_scale), e.g. "
+                             "PagedKVCache.k_scale[layer] and v_scale[layer].")
+        return None
+    if k_scale is None or v_scale is None:
+        raise ValueError("pass both k_scale and v_scale, or neither.")
+    if k_pool.dtype not in CODE_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"with scales the pools must hold int8 or float8_e4m3fn codes, got {k_pool.dtype} and "
+                         f"{v_pool.dtype}.")
+    if k_scale.shape != k_pool.shape[:-1] or v_scale.shape != k_scale.shape or k_scale.dtype != torch.float32 \
+            or v_scale.dtype != torch.float32 or k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must be fp32 of the pools' shape without head_dim, "
+                         f"{tuple(k_pool.shape[:-1])}, laid out alike; got {k_scale.dtype} {tuple(k_scale.shape)} "
+                         f"and {v_scale.dtype} {tuple(v_scale.shape)}.")
+    return k_scale, v_scale

@@ -36,8 +36,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from minillm.kv_quant import QuantizedPool
 from minillm.model import PagedDecode, Transformer, use_triton_attention
-from minillm.paging import PagedKVCache
+from minillm.paging import PagedKVCache, store_kv
 
 log = logging.getLogger("minillm")
 
@@ -96,7 +97,7 @@ class GraphDecodeView:
         self.tokens = inputs[:, TOKEN : TOKEN + 1]  # [B, 1]
         self.position_ids = inputs[:, POSITION : POSITION + 1]  # [B, 1]
         self.slots = inputs[:, SLOT].contiguous()  # [B]
-        self.mask = PagedDecode(inputs[:, TABLE:], inputs[:, SEQ_LEN].to(torch.int32), max_seq_len)
+        self.mask = PagedDecode(inputs[:, TABLE:], inputs[:, SEQ_LEN].to(torch.int32), max_seq_len, cache.dtype)
 
     def positions(self, n: int) -> torch.Tensor:
         if n != 1:
@@ -108,12 +109,14 @@ class GraphDecodeView:
         return self.mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, n_kv_heads, 1, head_dim] to their slots; return `layer`'s pools for the paged kernel."""
-        pools = self.cache.k[layer], self.cache.v[layer]
-        for pool, new in zip(pools, (k, v)):
-            _, _, H, d = pool.shape
-            pool.view(-1, H, d).index_copy_(0, self.slots, new[:, :, 0].to(pool.dtype))
-        return pools
+        """Write k, v [B, n_kv_heads, 1, head_dim] to their slots; return `layer`'s pools for the paged kernel
+        (with their scales, as `QuantizedPool`s, for a quantised cache: chapter 06)."""
+        cache, out = self.cache, []
+        scale_pools = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
+        for pool, scale_pool, new in zip((cache.k[layer], cache.v[layer]), scale_pools, (k, v)):
+            store_kv(pool, scale_pool, self.slots, new[:, :, 0])
+            out.append(pool if scale_pool is None else QuantizedPool(pool, scale_pool))
+        return out[0], out[1]
 
     def advance(self, n: int) -> None:
         pass
@@ -140,10 +143,6 @@ class DecodeGraphs:
         if capture and (reason := graphs_unavailable(model)):
             raise ValueError(f"cannot capture decode steps as CUDA graphs: {reason}. Use capture=False, or the "
                              "eager path.")
-        if cache.quantized:
-            raise ValueError(f"cannot capture decode steps of a quantised KV cache ({cache.kv_cache_dtype!r}): the "
-                             "paged decode kernel reads the pools as they are and knows nothing of scales. "
-                             "Run the steps eagerly (LLMEngine does, for a quantised cache).")
         self.model, self.cache, self.capture = model, cache, capture
         self.sizes = graph_batch_sizes(max_batch)
         bs = cache.block_size

@@ -99,8 +99,8 @@ class LLMEngine:
         kv_cache_dtype: what the KV cache stores (chapter 06, `minillm.kv_quant`; vLLM's option of the same
             name): "auto" (the model's dtype, the default), "int8" or "fp8" (e4m3), each with one fp32 scale per
             (token, head). 8-bit halves the bytes per token (roughly), so the same memory holds ~2x the blocks.
-            On CUDA a quantised cache runs decode attention on the gather + dequantise path, without the paged
-            Triton kernel or CUDA graphs (neither knows the scales).
+            On CUDA the paged Triton decode kernel reads the 8-bit codes and their scales directly, CUDA graphs
+            included (elsewhere attention reads the cache gathered and dequantised).
         kv_cache_memory_bytes: size the pool to this many bytes instead of giving num_blocks (vLLM's option of
             the same name): `minillm.paging.num_blocks_for_memory` at this block_size and kv_cache_dtype.
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's budgets (see
@@ -137,9 +137,6 @@ class LLMEngine:
         reason = graphs_unavailable(model)
         if speculative is not None:
             reason = reason or "speculative decoding is on (its verify forwards are not captured)"
-        if kv_cache_dtype != "auto":
-            reason = reason or (f"the KV cache is quantised (kv_cache_dtype={kv_cache_dtype!r}), and the paged decode "
-                                "kernel the graphs replay knows nothing of its scales")
         if cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs

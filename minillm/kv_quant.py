@@ -10,8 +10,9 @@ bf16 pays 2 bytes per element; int8 and fp8 pay 1, plus one fp32 scale per (toke
 shipped model (head_dim 48) a (token, head) takes 96 bytes in bf16 and 48 + 4 = 52 in int8: the
 same memory holds 1.85x the tokens (2x as head_dim grows and the scale matters less; 3.7x against
 fp32). Every decode step also reads the whole cache, so a kernel that reads the 8-bit codes moves
-half the bytes too; minillm's paged Triton kernel does not (yet): a quantised cache dequantises
-what attention reads (see `minillm.paging.PagedCacheView`), so here the saving is memory, not time.
+about half the bytes too: on CUDA minillm's paged Triton decode kernel does (`paged_decode_attention`
+with `k_scale`, `v_scale`: the pools come to it as `QuantizedPool`s); elsewhere, the CPU above all,
+a quantised cache dequantises what attention reads (see `minillm.paging.PagedCacheView`).
 
 Weight quantisation (`minillm.quant`) does not shrink the KV cache. int4 weights free memory once,
 a fixed amount; but the keys and values are activations: the (de-quantised) projections compute
@@ -37,6 +38,8 @@ with per-tensor scales (1.0 unless calibrated) or per-head calibrated ones; mini
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +70,14 @@ def is_quantized_dtype(storage: torch.dtype) -> bool:
 
 
 Pools = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]
+
+
+class QuantizedPool(NamedTuple):
+    """One layer's K (or V) pool of a quantised paged cache with its scales: what `PagedCacheView.update` hands
+    the paged decode kernel, which dequantises as it reads (`minillm.kernels.paged_decode_attention`)."""
+
+    codes: torch.Tensor  # [num_blocks, block_size, n_kv_heads, head_dim] int8 or float8_e4m3fn
+    scale: torch.Tensor  # [num_blocks, block_size, n_kv_heads] fp32
 
 
 def allocate_pools(n_layers: int, shape: tuple[int, ...], storage: torch.dtype, device: torch.device | str) -> Pools:

@@ -196,6 +196,7 @@ class PagedDecode:
     block_tables: torch.Tensor  # [B, M] int: row b's blocks, in order
     seq_lens: torch.Tensor  # [B] int: the keys row b attends to, its new token's included
     max_seq_len: int  # max(seq_lens), known on the host (reading it from the GPU would cost a sync)
+    dtype: torch.dtype | None = None  # the cache's model dtype (what a quantised cache's codes stand for)
 
 
 @functools.cache
@@ -251,13 +252,21 @@ def grouped_query_attention(
     its K/V head itself); elsewhere CAUSAL becomes an explicit mask. A decode step (T = 1, no mask)
     on CUDA runs the Triton decode kernel, which reads each K/V head once for its G query heads
     (chapter 03). With mask a `PagedDecode`, k and v are a paged cache's pools and the paged decode
-    kernel reads them through the block tables (chapter 04).
+    kernel reads them through the block tables (chapter 04); for a quantised cache (chapter 06) k and v are
+    `minillm.kv_quant.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
     """
     B, H, T, d = q.shape
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
         from minillm.kernels import paged_decode_attention
 
-        out = paged_decode_attention(q[:, :, 0].to(k.dtype), k, v, mask.block_tables, mask.seq_lens, mask.max_seq_len)
+        if isinstance(k, tuple):  # QuantizedPool (codes, scale): attention computes in the model's dtype, v's
+            (k, k_scale), (v, v_scale) = k, v
+            dtype = mask.dtype
+        else:
+            k_scale = v_scale = None
+            dtype = k.dtype
+        out = paged_decode_attention(q[:, :, 0].to(dtype), k, v, mask.block_tables, mask.seq_lens, mask.max_seq_len,
+                                     k_scale=k_scale, v_scale=v_scale)
         return out.to(q.dtype)[:, :, None]
     same_dtype = q.dtype == k.dtype == v.dtype  # under autocast, rotary leaves q and k in fp32 beside a bf16 v
     if T == 1 and mask is None and same_dtype and use_triton_attention(q, d):

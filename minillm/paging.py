@@ -43,7 +43,8 @@ without the head_dim axis:
 A slot's scale sits at the same (block, offset) as its codes, so everything that moves blocks moves the
 scales with them: prefix caching and fork share blocks (and so their scales), copy-on-write copies both
 (`copy_block`), truncate leaves both to be overwritten. `update` quantises on write and dequantises what
-it reads to the model's dtype. Bytes per token roughly halve against bf16 (`minillm.kv_quant` says why
+it reads to the model's dtype (or, for the paged kernel on CUDA, hands over codes and scales to read in
+place). Bytes per token roughly halve against bf16 (`minillm.kv_quant` says why
 that doubles the batch a memory budget holds), so `num_blocks_for_memory` gives ~2x the blocks.
 
     cache = PagedKVCache(model.config, num_blocks=64)
@@ -65,6 +66,7 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.kv_quant import (
+    QuantizedPool,
     allocate_pools,
     dequantize_kv,
     kv_bytes_per_token,
@@ -293,6 +295,19 @@ def num_blocks_for_memory(config: ModelConfig, memory_bytes: float, block_size: 
         raise ValueError(f"{memory_bytes:,.0f} bytes hold no KV block: one block of {block_size} tokens takes "
                          f"{block_bytes:,} bytes ({kv_cache_dtype}); give a larger budget or smaller blocks.")
     return int(memory_bytes // block_bytes)
+
+
+def store_kv(pool: torch.Tensor, scale_pool: torch.Tensor | None, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write rows [n, n_kv_heads, head_dim] of keys or values to `slots` [n] of one layer's pool
+    [num_blocks, block_size, n_kv_heads, head_dim] (slot s = block s // block_size, offset s % block_size);
+    for a quantised pool (chapter 06), their 8-bit codes, and their scales to `scale_pool`."""
+    flat = pool.view(-1, *pool.shape[2:])  # [num_blocks * block_size, H, d]: slot s is row s
+    if scale_pool is None:
+        flat.index_copy_(0, slots, rows.to(pool.dtype))
+        return
+    codes, scales = quantize_kv(rows, pool.dtype)  # codes moved as raw bytes: PyTorch lacks index_copy_ for
+    flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))  # float8 on some devices
+    scale_pool.view(-1, pool.shape[2]).index_copy_(0, slots, scales)
 
 
 class PagedKVCache:
@@ -587,17 +602,16 @@ class PagedCacheView:
         The keys `update` returns are positions 0..S-1 of each row, and a row's real queries sit
         below its own length, so the causal rule alone hides the keys past a shorter row's end.
         A decode step (one new token per row) on CUDA gets a `PagedDecode` instead: attention then
-        reads the pools through the block tables with the paged Triton kernel, and nothing is gathered.
-        Not with a quantised cache (chapter 06): the paged kernel reads the pools as they are and knows
-        nothing of scales, so every step takes the gather + dequantise + PyTorch attention path (a decode
-        kernel that dequantises the 8-bit codes as it reads them is future work).
+        reads the pools through the block tables with the paged Triton kernel, and nothing is gathered;
+        a quantised cache's 8-bit pools too, with their scales (chapter 06): the kernel dequantises as it reads.
         """
         pool = self.cache.k[0]
-        if (self.T == 1 and window is None and not self.cache.quantized
-                and use_triton_attention(pool, pool.shape[-1])):
+        if self.cache.quantized:  # 8-bit codes: ask as for the model's dtype, which attention computes in
+            pool = torch.empty(0, dtype=self.cache.dtype, device=pool.device)
+        if self.T == 1 and window is None and use_triton_attention(pool, self.cache.k[0].shape[-1]):
             self.read_pools = True
             seq_lens = torch.tensor(self.seq_lens, device=pool.device, dtype=torch.int32)
-            return PagedDecode(self.block_tables, seq_lens, self.max_seq_len)
+            return PagedDecode(self.block_tables, seq_lens, self.max_seq_len, self.cache.dtype)
         if self.T == 1 and window is None and min(self.seq_lens) == self.max_seq_len:
             return None  # one query per row and every row as long as the longest: each query sees every key
         keys = torch.arange(self.max_seq_len, device=positions.device).expand(positions.shape[0], -1)
@@ -618,14 +632,9 @@ class PagedCacheView:
             rows = new.transpose(1, 2).reshape(B * T, H, d)
             if self.padded:
                 rows = rows.index_select(0, self.write_rows)  # padding tokens are not written
-            if scale_pool is None:
-                flat.index_copy_(0, self.write_slots, rows.to(pool.dtype))
-            else:  # codes moved as raw bytes: PyTorch lacks index_copy_ for float8 on some devices
-                codes, scales = quantize_kv(rows, pool.dtype)
-                flat.view(torch.uint8).index_copy_(0, self.write_slots, codes.view(torch.uint8))
-                scale_pool.view(-1, H).index_copy_(0, self.write_slots, scales)
-            if self.read_pools:
-                out.append(pool)
+            store_kv(pool, scale_pool, self.write_slots, rows)
+            if self.read_pools:  # the paged kernel reads the pool (and its scales) in place
+                out.append(pool if scale_pool is None else QuantizedPool(pool, scale_pool))
                 continue
             # the reference paged read, every row's positions 0..S-1 through its block table
             S, slots = self.max_seq_len, self.read_slots().view(-1)

@@ -80,13 +80,15 @@ def prefill(model, cache, prompts):
 
 
 @interpreter_only
-def test_the_static_buffer_step_equals_the_eager_step(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype):
     """Three sequences of different lengths, decoded by the recorded step's code (eagerly, on a buffer
     padded to 4 rows) and by paged_forward on a twin cache: the same logits at every step, then a smaller
-    batch (2 rows) reusing the buffer with stale columns from the larger one."""
+    batch (2 rows) reusing the buffer with stale columns from the larger one. With an int8 cache (chapter 06)
+    the step's paged kernel reads codes and scales, the twin dequantises and runs PyTorch attention."""
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(n)] for n in (5, 37, 20)]  # 1, 3 and 2 blocks of 16
-    caches = [PagedKVCache(model.config, 24, 16) for _ in range(2)]
+    caches = [PagedKVCache(model.config, 24, 16, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
     graphs = DecodeGraphs(model, caches[0], max_batch=4, capture=False)
     assert caches[0].allocator.num_free_blocks == 23, "one block is taken for the padding rows"
     tokens = [prefill(model, c, prompts) for c in caches]
@@ -119,14 +121,24 @@ def test_a_sequence_longer_than_the_graphs_is_refused(model):
 
 
 # ------------------------------------------------------------------ CUDA: replayed graphs vs eager
-def engine_tokens(model, prompts, cuda_graphs, max_num_seqs=8, **params):
+def engine_tokens(model, prompts, cuda_graphs, max_num_seqs=8, kv_cache_dtype="auto", **params):
     engine = LLMEngine(model, num_blocks=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-                       cuda_graphs=cuda_graphs)
+                       cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
     sp = SamplingParams(**{"temperature": 0, "max_tokens": 24, "ignore_eos": True, **params})
     ids = [engine.add_request(None, p, sp) for p in prompts]
     finished = engine.run()
     assert (engine.graphs is not None) == cuda_graphs
     return [finished[i, 0].token_ids for i in ids]
+
+
+@cuda_only
+def test_graphs_give_the_eager_tokens_on_a_quantised_cache():
+    """An int8 KV cache (chapter 06) is captured too: the paged kernel reads its codes and scales in the graph."""
+    model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randrange(3, 60))] for _ in range(5)]
+    assert (engine_tokens(model, prompts, True, 8, kv_cache_dtype="int8")
+            == engine_tokens(model, prompts, False, 8, kv_cache_dtype="int8"))
 
 
 @cuda_only

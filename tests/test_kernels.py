@@ -383,6 +383,52 @@ def test_paged_decode_attention_matches_the_dense_kernel(shape, dtype):
     assert_close(default_max, got, dtype, "max_len left to its default")
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [PAGED_SHAPES[0], PAGED_SHAPES[2], PAGED_SHAPES[4]],
+                         ids=lambda s: _decode_id(s[:5]) + f"-P{s[5]}")
+def test_paged_decode_attention_reads_8_bit_codes_with_their_scales(shape, dtype, kv_dtype):
+    """Pools of int8 / fp8 codes with one scale per (slot, head) (chapter 06): the kernel equals attention over
+    the dequantised keys and values. The slots past each sequence's end get NaN scales: reading one poisons."""
+    from minillm.kernels import paged_decode_attention, paged_decode_attention_reference
+
+    from minillm.kv_quant import dequantize_kv, quantize_kv
+
+    B, H, H_kv, lens, D, P = shape
+    q, k, v = random_decode(B, H, H_kv, max(lens), D, dtype, seed=sum(lens) + P + 1)
+    lengths = torch.tensor(lens, device=DEVICE)
+    k_pool, v_pool, tables = scatter_into_pool(k, v, lens, P, seed=P)
+    (kc, ks), (vc, vs) = quantize_kv(k_pool, kv_dtype), quantize_kv(v_pool, kv_dtype)
+    unwritten = torch.isnan(k_pool).any(-1)  # [num_blocks, P, H_kv]: slots no sequence holds
+    ks[unwritten], vs[unwritten] = float("nan"), float("nan")  # poison: reading one turns the output NaN
+    got = paged_decode_attention(q, kc, vc, tables, lengths, max_len=max(lens), k_scale=ks, v_scale=vs)
+    assert got.shape == (B, H, D) and got.dtype == dtype and torch.isfinite(got).all()
+    k_deq = dequantize_kv(*quantize_kv(k, kv_dtype), dtype)  # the same vectors, quantised the same way
+    v_deq = dequantize_kv(*quantize_kv(v, kv_dtype), dtype)
+    assert_close(got, decode_attention_reference(q, k_deq, v_deq, lengths), dtype, f"{kv_dtype} pools at {shape}")
+    assert_close(paged_decode_attention_reference(q, kc, vc, tables, lengths, k_scale=ks, v_scale=vs),
+                 decode_attention_reference(q, k_deq, v_deq, lengths), dtype, "the paged reference with scales")
+
+
+def test_paged_decode_attention_scale_mistakes_are_clear_errors():
+    from minillm.kernels import paged_decode_attention
+
+    from minillm.kv_quant import quantize_kv
+
+    q, k, v = random_decode(1, 4, 2, 20, 16, torch.float32, seed=3)
+    k_pool, v_pool, tables = scatter_into_pool(k, v, [20], 16)
+    (kc, ks), (vc, vs) = quantize_kv(k_pool, torch.int8), quantize_kv(v_pool, torch.int8)
+    lengths = torch.tensor([20], device=DEVICE)
+    with pytest.raises(ValueError, match="pass their scales"):
+        paged_decode_attention(q, kc, vc, tables, lengths)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        paged_decode_attention(q, kc, vc, tables, lengths, k_scale=ks)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn codes"):
+        paged_decode_attention(q, k_pool, v_pool, tables, lengths, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="fp32 of the pools' shape"):
+        paged_decode_attention(q, kc, vc, tables, lengths, k_scale=ks[..., :1], v_scale=vs[..., :1])
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 def test_paged_decode_attention_shared_blocks_and_any_split(num_splits):
     """Two sequences sharing their first blocks (a forked prompt) read them correctly; splits do not matter."""

@@ -336,8 +336,12 @@ def test_task_6_copy_block_copies_codes_and_scales():
             assert torch.equal(raw[3], raw[src]), "copy_block must copy the codes and the scales"
 
 
-# ------------------------------------------------------------------ task 7: CUDA paths stay off
-def test_task_7_a_quantised_paged_cache_never_hands_its_pools_to_the_paged_kernel(monkeypatch):
+# ------------------------------------------------------------------ task 7: the CUDA paths read 8-bit pools
+def test_task_7_a_quantised_paged_cache_hands_codes_and_scales_to_the_paged_kernel(monkeypatch):
+    """On CUDA a decode step reads the pools in place with the paged kernel; a quantised cache's pools come with
+    their scales (QuantizedPool), which the kernel dequantises as it reads (tests/test_kernels.py checks it)."""
+    from minillm.kv_quant import QuantizedPool
+
     monkeypatch.setattr("minillm.paging.use_triton_attention", lambda x, d: True)  # as on a CUDA GPU
     for d in KV_CACHE_DTYPES:
         cache = PagedKVCache(TINY, 4, 4, kv_cache_dtype=d)
@@ -345,20 +349,21 @@ def test_task_7_a_quantised_paged_cache_never_hands_its_pools_to_the_paged_kerne
         cache.add_sequence("b")
         view = cache.prepare(["a", "b"], [[1], [2]])
         mask = view.attention_mask(view.position_ids, None)
-        assert isinstance(mask, PagedDecode) == (d == "auto"), (
-            f"kv_cache_dtype={d!r}: the paged kernel reads the pools without scales, so only 'auto' may use it")
-    cache = PagedKVCache(TINY, 4, 4, kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="quantised KV cache"):
-        DecodeGraphs(Transformer(TINY), cache, max_batch=1, capture=False)
+        assert isinstance(mask, PagedDecode) and mask.dtype == cache.dtype
+        k, v = view.update(0, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+        if d == "auto":
+            assert k is cache.k[0] and v is cache.v[0]
+        else:
+            assert isinstance(k, QuantizedPool) and k.codes is cache.k[0] and k.scale is cache.k_scale[0]
+            assert isinstance(v, QuantizedPool) and v.codes is cache.v[0] and v.scale is cache.v_scale[0]
 
 
-def test_task_7_the_engine_turns_cuda_graphs_off_for_a_quantised_cache(monkeypatch):
+def test_task_7_the_engine_captures_cuda_graphs_for_a_quantised_cache_too(monkeypatch):
     monkeypatch.setattr("minillm.engine.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
     model = Transformer(TINY)
-    assert LLMEngine(model, num_blocks=8).use_cuda_graphs
-    assert not LLMEngine(model, num_blocks=8, kv_cache_dtype="int8").use_cuda_graphs
-    with pytest.raises(ValueError, match="quantised"):
-        LLMEngine(model, num_blocks=8, kv_cache_dtype="fp8", cuda_graphs=True)
+    for d in KV_CACHE_DTYPES:
+        assert LLMEngine(model, num_blocks=8, kv_cache_dtype=d).use_cuda_graphs
+    DecodeGraphs(Transformer(TINY), PagedKVCache(TINY, 4, 4, kv_cache_dtype="int8"), max_batch=1, capture=False)
 
 
 # ------------------------------------------------------------------ task 8: every way to generate takes it
