@@ -300,6 +300,8 @@ def _launch(
     scale = D**-0.5 if scale is None else float(scale)
     group = H // H_kv
     BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else GPU_BLOCK_N)
+    if kv_scales is not None and not block_n and not _interpreted():
+        BLOCK_N *= 2  # 8-bit codes: twice the keys per tile moves the same bytes per load as 16 bits
     if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {BLOCK_N}.")
     splits = num_splits or choose_num_splits(B, H_kv, S, BLOCK_N)
