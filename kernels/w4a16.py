@@ -12,9 +12,10 @@ bf16 alone. The point of a fused kernel is that the 16-bit weights never touch m
 
 The kernels' layout (`W4A16Weight`, built once from a `minillm.quant.IntQuantized` by `w4a16_pack`).
 Every fast int4 kernel repacks its weights into a layout made for its loads; this is ours:
-  words [N, K/8] int32: the 16 words of group g (G = 128 inputs) hold its 128 codes so that nibble c
-    of word p is input g*G + c*16 + p. A thread that holds 4 consecutive words therefore needs, for
-    each nibble c, 4 consecutive inputs: one small vector load instead of 4 scattered ones.
+  words [N, K/8] int32: the G/8 words of group g (G inputs, 128 by default) hold its G codes so that
+    nibble c of word p is input g*G + c*G/8 + p (with G = 128: c*16 + p). A thread that holds 4
+    consecutive words therefore needs, for each nibble c, 4 consecutive inputs: one small vector load
+    instead of 4 scattered ones.
   scale_zero [N, K/G] int32: the group's scale and zero as two fp16 halves (low: scale, high: zero),
     one 4-byte load per group. fp16 is what GPTQ and AWQ checkpoints store; the scale is rounded to
     it (a relative change under 5e-4, far below the 4-bit rounding itself).
@@ -26,8 +27,8 @@ Two kernels:
     BLOCK_N rows, so one input value serves BLOCK_N weights and every weight load is 16 bytes wide.
     Dequantising costs 2.5 instructions per weight (see `_nibble`); the group's scale and zero are
     applied once per word, not per weight.
-  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, one group of K per step: the [16, BLOCK_N]
-    tile of words is unpacked into the [128, BLOCK_N] weight tile (nibble c of word p is row 16c + p,
+  GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, one group of K per step: the [G/8, BLOCK_N]
+    tile of words is unpacked into the [G, BLOCK_N] weight tile (nibble c of word p is row c*G/8 + p,
     the input order), dequantised and fed to one tl.dot in the activations' dtype.
 
 `w4a16_reference` is the definition (dequantise, then matmul). Under Triton's CPU interpreter
