@@ -25,8 +25,10 @@ Two kernels:
   GEMV (decode, few rows): one program per (row of x, BLOCK_N outputs, K split). The 32 lanes of each
     warp and all the warps spread along K, each thread holding 4 consecutive words of every one of its
     BLOCK_N rows, so one input value serves BLOCK_N weights and every weight load is 16 bytes wide.
-    Dequantising costs 2.5 instructions per weight (see `_nibble`); the group's scale and zero are
-    applied once per word, not per weight.
+    Dequantising and the multiply-add cost 2.5 instructions per weight (see `_nibble`); with addresses,
+    inputs and scales the compiled loop runs 3.7-4.2. The group's scale and zero are applied once per
+    word, not per weight. With split K, several programs share a row's K and add their parts into an
+    fp32 output (atomic adds).
   GEMM (prefill, many rows): tiles of BLOCK_M x BLOCK_N, one group of K per step: the [G/8, BLOCK_N]
     tile of words is unpacked into the [G, BLOCK_N] weight tile (nibble c of word p is row c*G/8 + p,
     the input order), dequantised and fed to one tl.dot in the activations' dtype.
@@ -48,8 +50,9 @@ import triton.language as tl
 GEMV_MAX_ROWS = 4  # up to this many rows (tokens) the GEMV, above the tiled GEMM (H100: results/w4a16_cuda.json)
 
 # The nibble trick's constants (see `_nibble`), passed to the GEMV as arguments rather than written into
-# it: as arguments they sit in the constant bank, which an instruction can read directly, whereas literal
-# constants were rebuilt in registers before almost every use (0.5 extra instructions per weight in the
+# it: as arguments they sit in the constant bank (a small read-only memory an instruction can name as an
+# operand), whereas literal constants were rebuilt in registers before almost every use, since the one
+# logic instruction per nibble takes at most one literal (0.5 extra instructions per weight in the
 # compiled code).
 MASK_12, MASK_16 = 0xF << 12, 0xF << 16  # a nibble at bits 12-15, at bits 16-19
 FLOAT_2048, FLOAT_128 = 138 << 23, 134 << 23  # the bits of the floats 2048.0 and 128.0
@@ -110,7 +113,8 @@ def _nibble(w, c: tl.constexpr, MASK_12, MASK_16, FLOAT_2048, FLOAT_128):
     No int-to-float conversion: the word is shifted so that the nibble sits at bits 12-15 (or 16-19) of
     the mantissa, masked, and ORed with the bits of 2048.0 (128.0). The mantissa's lowest bit is then
     worth 2048 / 2^23 = 1/4096, so bits 12-15 hold q in units of exactly 1: the float is 2048 + q.
-    One shift per two nibbles, one LOP3 (mask and or) per nibble. The caller multiplies by the input
+    One shift per two nibbles, one LOP3 (the GPU's three-input logic instruction: mask and OR at once)
+    per nibble. The caller multiplies by the input
     as is and subtracts 2048 (or 128) times the input once per word, for all rows at once; fp32
     keeps q * x to 2^-24 * 2048, about 1e-4 of x: far below bf16's rounding.
     """
