@@ -41,7 +41,8 @@ GROUP = 128
 GEMV_CONFIGS = [dict(block_n=bn, words_per_thread=4, num_warps=w, prefetch=pf) for bn, w in
                 [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)] for pf in (False, True)]
 GEMM_CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in
-                [(16, 64, 4), (16, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8)]]
+                [(16, 16, 1), (16, 32, 1), (16, 32, 2), (16, 64, 4), (16, 128, 4), (64, 64, 4), (64, 128, 4),
+                 (128, 128, 8)]]
 GEMV_MAX_BATCH = 4  # the GEMV is timed up to this batch
 
 
