@@ -285,11 +285,18 @@ def w4a16_gemm(x: torch.Tensor, weight: W4A16Weight, block_m: int = 64, block_n:
     return out
 
 
+def gemm_config(M: int) -> dict:
+    """The GEMM's tile for M rows, from the H100 sweeps (benchmarks/w4a16_notes.md). Up to 16 rows, 16 x 16
+    tiles on one warp: a narrow tile makes many programs (384 for a 6144-wide layer, against 96 with 64-wide
+    tiles on 132 SMs), and at batch 16 the step took 6.2 ms instead of 7.8. Above, 64 x 64 on 4 warps."""
+    return dict(block_m=16, block_n=16, num_warps=1) if M <= 16 else dict(block_m=64, block_n=64, num_warps=4)
+
+
 def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
     """x [M, K] @ W^T: the GEMV kernel for up to GEMV_MAX_ROWS rows, the GEMM kernel above."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return w4a16_gemv(x, weight)
-    return w4a16_gemm(x, weight, block_m=16 if x.shape[0] <= 16 else 64)
+    return w4a16_gemm(x, weight, **gemm_config(x.shape[0]))
 
 
 def w4a16_linear(x: torch.Tensor, weight: W4A16Weight) -> torch.Tensor:
