@@ -129,7 +129,7 @@ def test_bad_input_raises_clear_errors():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 4, 33])
+@pytest.mark.parametrize("M", [1, 4, 8, 33])  # GEMV, GEMV, GEMM on 16x16 tiles, GEMM on 64x64
 def test_bf16_on_gpu(M):
     x, weight, _ = problem(M, 256, 1024, 128, seed=M, dtype=torch.bfloat16)
     ref = w4a16_reference(x.double(), weight)
