@@ -27,7 +27,7 @@ import sys
 import torch
 from common import write_results
 from decode_attention import capture, check, copy_bandwidth, time_graphs, warm_up_gpu
-from paged_attention import make_sets
+from paged_attention import decode_shapes_parser, make_sets
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -72,13 +72,7 @@ def compare(B: int, L: int, args: argparse.Namespace) -> dict:  # noqa: N803
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    args = parser.parse_args()
+    args = decode_shapes_parser(__doc__.splitlines()[0]).parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kv_quant_decode.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
                  "kernel on 8-bit pools through Triton's interpreter.")

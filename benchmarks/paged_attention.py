@@ -90,14 +90,20 @@ def compare(B: int, L: int, block_size: int, args: argparse.Namespace, copy_gbs:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_shapes_parser(description: str) -> argparse.ArgumentParser:
+    """The shape flags of the paged decode benchmarks: lengths, batches, and Llama-3-8B's heads by default."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    return parser
+
+
+def main() -> None:
+    parser = decode_shapes_parser(__doc__.splitlines()[0])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/paged_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
