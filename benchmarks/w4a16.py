@@ -30,7 +30,7 @@ import argparse
 import torch
 import triton
 from common import write_results
-from minillm.kernels.w4a16 import w4a16_dequantize, w4a16_gemm, w4a16_gemv, w4a16_pack, w4a16_reference
+from minillm.kernels.w4a16 import GEMV_MAX_ROWS, w4a16_dequantize, w4a16_gemm, w4a16_gemv, w4a16_pack, w4a16_reference
 
 from minillm.quant import quantize_int
 
@@ -43,7 +43,6 @@ GEMV_CONFIGS = [dict(block_n=bn, words_per_thread=4, num_warps=w, prefetch=pf) f
 GEMM_CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in
                 [(16, 16, 1), (16, 32, 1), (16, 32, 2), (16, 64, 4), (16, 128, 4), (64, 64, 4), (64, 128, 4),
                  (128, 128, 8)]]
-GEMV_MAX_BATCH = 4  # the GEMV is timed up to this batch
 
 
 def int4_weights(n_layers: int) -> dict[str, list[tuple]]:
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                  "naive_ms": time_graph(lambda x=x, ls=layers: [x @ w4a16_dequantize(wt, torch.bfloat16).T
                                                                 for wt, _, _ in ls])}
             r["gemm_ms"], r["gemm_config"], r["gemm_sweep"] = sweep(w4a16_gemm, GEMM_CONFIGS, x, layers)
-            if M <= GEMV_MAX_BATCH:
+            if M <= GEMV_MAX_ROWS:
                 r["gemv_ms"], r["gemv_config"], r["gemv_sweep"] = sweep(w4a16_gemv, GEMV_CONFIGS, x, layers)
             r["w4a16_ms"] = min(r["gemm_ms"], r.get("gemv_ms", float("inf")))
             if has_tinygemm:
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.ops.aten._weight_int4pack_mm(xt, t[0], GROUP, t[1]) for _, _, t in ls])
             per_shape[name] = r
             print(f"  batch {M} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k.endswith("_ms")))
-        keys = ["bf16_ms", "w4a16_ms", "gemm_ms", "naive_ms"] + (["gemv_ms"] if M <= GEMV_MAX_BATCH else []) + (
+        keys = ["bf16_ms", "w4a16_ms", "gemm_ms", "naive_ms"] + (["gemv_ms"] if M <= GEMV_MAX_ROWS else []) + (
             ["tinygemm_ms"] if has_tinygemm else [])
         total = {k: sum(v[k] for v in per_shape.values()) for k in keys}
         row = {"batch": M, **total, "speedup_fused": total["bf16_ms"] / total["w4a16_ms"],

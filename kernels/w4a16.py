@@ -77,9 +77,9 @@ def w4a16_pack(q) -> W4A16Weight:  # noqa: ANN001 - a minillm.quant.IntQuantized
         raise ValueError("W4A16 needs an asymmetric 4-bit weight: quantize_int(w, 4, group_size, symmetric=False).")
     N, K = q.shape
     G = q.group_size
-    if G % 16 or K % G or G > K:
-        raise ValueError(f"W4A16 needs groups of a multiple of 16 inputs that divide K = {K}, got {G}: "
-                         "quantize with group_size=128 (or 64, 32).")
+    if G < 16 or G & (G - 1) or K % G:  # the kernels' tiles are powers of two, and a group is a whole tile row
+        raise ValueError(f"W4A16 needs groups of a power of two inputs, a multiple of 16, that divide K = {K}; "
+                         f"got {G}: quantize with group_size=128 (or 64, 32).")
     codes = q.int_codes().long().reshape(N, K // G, 8, G // 8)  # [N, groups, nibble c, word p]
     words = (codes << (4 * torch.arange(8, device=codes.device))[:, None]).sum(2)  # 0 .. 2^32 - 1
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
@@ -254,12 +254,9 @@ def w4a16_gemv(x: torch.Tensor, weight: W4A16Weight, block_n: int | None = None,
     k_words, group_words = K // 8, weight.group_size // 8
     if k_words % split_k or (k_words // split_k) % group_words:
         raise ValueError(f"split_k = {split_k} must divide K = {K} into whole groups of {weight.group_size}.")
-    block_w = words_per_thread * 32 * num_warps
-    while (k_words // split_k) % block_w and block_w > group_words:
-        block_w //= 2  # a K split that is not a multiple of the step: smaller steps
-    if (k_words // split_k) % block_w or block_w % group_words:
-        raise ValueError(f"no power-of-two step of whole groups divides K / split_k = {K // split_k}: pick "
-                         "split_k so that it is a power-of-two multiple of the group size.")
+    block_w = max(words_per_thread * 32 * num_warps, group_words)  # a step holds whole groups (powers of two)
+    while (k_words // split_k) % block_w:
+        block_w //= 2  # a K split that is not a multiple of the step: smaller steps, down to one group
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=x.dtype) if split_k == 1 else torch.zeros(
         M, N, device=x.device, dtype=torch.float32)  # split K: the programs add their parts

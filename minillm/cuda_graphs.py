@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from minillm.kv_quant import QuantizedPool
+from minillm.kv_quant import kernel_pool
 from minillm.model import PagedDecode, Transformer, use_triton_attention
 from minillm.paging import PagedKVCache, store_kv
 
@@ -111,12 +111,10 @@ class GraphDecodeView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, 1, head_dim] to their slots; return `layer`'s pools for the paged kernel
         (with their scales, as `QuantizedPool`s, for a quantised cache: chapter 06)."""
-        cache, out = self.cache, []
-        scale_pools = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
-        for pool, scale_pool, new in zip((cache.k[layer], cache.v[layer]), scale_pools, (k, v)):
+        pools = self.cache.layer_pools(layer)
+        for (pool, scale_pool), new in zip(pools, (k, v)):
             store_kv(pool, scale_pool, self.slots, new[:, :, 0])
-            out.append(pool if scale_pool is None else QuantizedPool(pool, scale_pool))
-        return out[0], out[1]
+        return kernel_pool(*pools[0]), kernel_pool(*pools[1])
 
     def advance(self, n: int) -> None:
         pass

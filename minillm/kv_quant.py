@@ -80,6 +80,11 @@ class QuantizedPool(NamedTuple):
     scale: torch.Tensor  # [num_blocks, block_size, n_kv_heads] fp32
 
 
+def kernel_pool(pool: torch.Tensor, scale_pool: torch.Tensor | None) -> torch.Tensor | QuantizedPool:
+    """What the paged decode kernel reads for one layer's K or V: the pool itself, or its codes with their scales."""
+    return pool if scale_pool is None else QuantizedPool(pool, scale_pool)
+
+
 def allocate_pools(n_layers: int, shape: tuple[int, ...], storage: torch.dtype, device: torch.device | str) -> Pools:
     """(k, v, k_scale, v_scale): per layer, zeroed K and V of `shape` in `storage`, and, when `storage` is an 8-bit
     code dtype, zeroed fp32 scales of shape[:-1] (one per head vector); the scales are None otherwise.

@@ -66,9 +66,9 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.kv_quant import (
-    QuantizedPool,
     allocate_pools,
     dequantize_kv,
+    kernel_pool,
     kv_bytes_per_token,
     kv_storage_dtype,
     quantize_kv,
@@ -441,16 +441,22 @@ class PagedKVCache:
             for pool in pools:
                 pool[dst] = pool[src]
 
+    def layer_pools(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """`layer`'s (K pool, its scales) and (V pool, its scales); the scales are None unless quantised."""
+        if not self.quantized:
+            return (self.k[layer], None), (self.v[layer], None)
+        return (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer])
+
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `seq_id` in `layer`, each [n_kv_heads, num_tokens, head_dim] (dequantised to
         the model's dtype when the cache is quantised)."""
         table = self._table(seq_id)
         blocks = torch.tensor([table.block_ids or [0]], device=self.device)
         out = []
-        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            codes = gather_kv(pools[layer], blocks, table.num_tokens)[0]
+        for pool, scales in self.layer_pools(layer):
+            codes = gather_kv(pool, blocks, table.num_tokens)[0]
             if scales is not None:  # the scale pool as a pool of head_dim 1
-                codes = dequantize_kv(codes, gather_kv(scales[layer][..., None], blocks, table.num_tokens)[0, ..., 0],
+                codes = dequantize_kv(codes, gather_kv(scales[..., None], blocks, table.num_tokens)[0, ..., 0],
                                       self.dtype)
             out.append(codes)
         return out[0], out[1]
@@ -606,9 +612,9 @@ class PagedCacheView:
         a quantised cache's 8-bit pools too, with their scales (chapter 06): the kernel dequantises as it reads.
         """
         pool = self.cache.k[0]
-        if self.cache.quantized:  # 8-bit codes: ask as for the model's dtype, which attention computes in
-            pool = torch.empty(0, dtype=self.cache.dtype, device=pool.device)
-        if self.T == 1 and window is None and use_triton_attention(pool, self.cache.k[0].shape[-1]):
+        # what attention computes in: the pool's dtype, or the model's for a quantised cache's 8-bit codes
+        computed = pool if not self.cache.quantized else pool.new_empty(0, dtype=self.cache.dtype)
+        if self.T == 1 and window is None and use_triton_attention(computed, pool.shape[-1]):
             self.read_pools = True
             seq_lens = torch.tensor(self.seq_lens, device=pool.device, dtype=torch.int32)
             return PagedDecode(self.block_tables, seq_lens, self.max_seq_len, self.cache.dtype)
@@ -625,8 +631,7 @@ class PagedCacheView:
         A quantised cache (chapter 06) writes each slot's 8-bit codes and its scale (one per head), and
         returns what it reads dequantised to the model's dtype."""
         cache, out = self.cache, []
-        scale_pools = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
-        for pool, scale_pool, new in zip((cache.k[layer], cache.v[layer]), scale_pools, (k, v)):
+        for (pool, scale_pool), new in zip(cache.layer_pools(layer), (k, v)):
             B, H, T, d = new.shape
             flat = pool.view(-1, H, d)  # [num_blocks * block_size, H, d]: slot s is row s
             rows = new.transpose(1, 2).reshape(B * T, H, d)
@@ -634,7 +639,7 @@ class PagedCacheView:
                 rows = rows.index_select(0, self.write_rows)  # padding tokens are not written
             store_kv(pool, scale_pool, self.write_slots, rows)
             if self.read_pools:  # the paged kernel reads the pool (and its scales) in place
-                out.append(pool if scale_pool is None else QuantizedPool(pool, scale_pool))
+                out.append(kernel_pool(pool, scale_pool))
                 continue
             # the reference paged read, every row's positions 0..S-1 through its block table
             S, slots = self.max_seq_len, self.read_slots().view(-1)

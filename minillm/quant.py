@@ -363,6 +363,10 @@ class QuantLinear(nn.Module):
         """W' [out, in] as stored (times input_scale when one was migrated into it)."""
         return self.quantized().dequantize(dtype)
 
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - nn.Module's signature
+        self._kernel_weight = None  # new codes: repack them at the next CUDA forward
+        super()._load_from_state_dict(*args, **kwargs)
+
     def nbytes(self) -> int:
         """Bytes of the stored weight (scales included) and of any migrated input scale."""
         extra = 0 if self.input_scale is None else self.input_scale.numel() * self.input_scale.element_size()
