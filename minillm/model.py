@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.config import ModelConfig
+from minillm.kv_quant import QuantizedPool
 
 
 class RMSNorm(nn.Module):
@@ -259,7 +260,7 @@ def grouped_query_attention(
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
         from minillm.kernels import paged_decode_attention
 
-        if isinstance(k, tuple):  # QuantizedPool (codes, scale): attention computes in the model's dtype, v's
+        if isinstance(k, QuantizedPool):  # 8-bit codes with their scales: attention computes in the model's dtype
             (k, k_scale), (v, v_scale) = k, v
             dtype = mask.dtype
         else:
