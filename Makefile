@@ -12,12 +12,12 @@
 # `make book` runs copies of the chapters and solutions in _build/ and builds the web book from them;
 # the notebooks in chapters/ and solutions/ are only read, so a clone stays clean. Runs are cached in
 # _build/.cache/executed/: a notebook runs again only when its code cells or the engine's files
-# (minillm/, kernels/, results/) change. `python -m minillm.site --no-execute` builds from the
+# (minillm/, kernels/, results/) change. `python -m minillm.book.site --no-execute` builds from the
 # committed outputs instead.
 #
 # `make notebooks` is for authors: it re-runs the chapters and solutions in place and saves their
 # outputs into the notebooks, to be committed (one notebook:
-# `python -m minillm.site --execute-sources chapters/01_decoding.ipynb`). It builds no site.
+# `python -m minillm.book.site --execute-sources chapters/01_decoding.ipynb`). It builds no site.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -62,10 +62,10 @@ test: setup
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
 
 book: setup
-	$(PY) -m minillm.site
+	$(PY) -m minillm.book.site
 
 notebooks: setup
-	$(PY) -m minillm.site --execute-sources
+	$(PY) -m minillm.book.site --execute-sources
 
 lab: setup
 	$(VENV)/bin/jupyter lab chapters/

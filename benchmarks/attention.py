@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from common import write_results
 
-from minillm.metrics import GPU_SPECS, GPUSpec
+from minillm.arithmetic import GPU_SPECS, GPUSpec
 
 MAX_ERROR = {"flash": 2e-2, "naive": 3e-2}  # bf16 outputs of magnitude < 1 vs SDPA: a few bf16 ulps
 
 
 def datasheet(name: str, memory_bytes: int) -> GPUSpec | None:
-    """The datasheet roofline of the GPU called `name`, where minillm.metrics knows it."""
+    """The datasheet roofline of the GPU called `name`, where minillm.arithmetic knows it."""
     n = name.lower()
     for key, needle in [("h200", "h200"), ("h100-pcie", "h100 pcie"), ("h100-sxm", "h100"), ("l40s", "l40s"),
                         ("a10g", "a10g"), ("l4", "l4"), ("a10", "a10")]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from minillm.notebook import cpu_name  # one definition, shared with the chapters
+from minillm.book.notebook import cpu_name  # one definition, shared with the chapters
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

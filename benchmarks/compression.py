@@ -28,11 +28,11 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.calibration import calibration_ids, sample_text, validation_ids
 from minillm.distill import distill, distill_settings
 from minillm.eval import perplexity
 from minillm.gqa import uptrain
 from minillm.pruning import prune, sparsity_of
+from minillm.quant.calibration import calibration_ids, sample_text, validation_ids
 from minillm.train import batches_for_eval, greedy_agreement
 
 PRUNINGS = [("unstructured", "magnitude"), ("unstructured", "wanda"), ("2:4", "magnitude"), ("2:4", "wanda")]

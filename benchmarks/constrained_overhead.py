@@ -25,12 +25,11 @@ import minillm
 from minillm.constrained import (
     RegexDFA,
     TokenIndex,
-    generate_constrained,
     mask_logits,
     schema_to_regex,
     vocabulary_bytes,
 )
-from minillm.generate import decode_one_token, prefill
+from minillm.generate import decode_one_token, generate_constrained, prefill
 from minillm.kv_cache import KVCache
 
 CONSTRAINTS = {

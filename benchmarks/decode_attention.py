@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from common import write_results
 
+from minillm.arithmetic import cdiv
+
 MAX_ERROR = 2e-2  # bf16 outputs of magnitude < 1: a few bf16 ulps
 
 
@@ -108,7 +110,7 @@ def inputs(B: int, H: int, H_kv: int, L: int, D: int, seed: int = 0):  # noqa: N
 
 def input_sets(B: int, H: int, H_kv: int, L: int, D: int) -> list:  # noqa: N803
     """Enough independent (q, k, v) sets that one pass over them does not fit in L2."""
-    n = max(1, min(64, -(-ROTATE_BYTES // must_read(B, H, H_kv, L, D))))
+    n = max(1, min(64, cdiv(ROTATE_BYTES, must_read(B, H, H_kv, L, D))))
     return [inputs(B, H, H_kv, L, D, seed=i) for i in range(n)]
 
 

@@ -15,7 +15,7 @@ Compared, on those requests:
   extrapolated to all 256 by their share of output tokens (running all would take most of an hour).
 
 Throughput is requested output tokens per second of wall time. The roofline: for every engine step,
-the `minillm.metrics` roofline time of its prefill tokens and of a decode step of its running
+the `minillm.arithmetic` roofline time of its prefill tokens and of a decode step of its running
 requests at their mean context, on the datasheet H100 SXM; their sum against the measured time.
 
     python benchmarks/engine_throughput.py        # writes results/engine_throughput_cuda.json
@@ -33,7 +33,7 @@ import torch
 from common import write_results
 
 import minillm
-from minillm import metrics
+from minillm import arithmetic
 from minillm.engine import LLM
 from minillm.sampling import SamplingParams
 
@@ -53,7 +53,7 @@ def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[t
 
 def run_minillm(model, requests, max_num_seqs: int, budget: int) -> dict:  # noqa: ANN001
     longest = max(len(p) + n for p, n in requests)
-    llm = LLM(model, None, num_blocks=max_num_seqs * metrics.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
+    llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
               max_num_batched_tokens=budget)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -81,9 +81,9 @@ def roofline_seconds(config, steps: list[dict]) -> float:  # noqa: ANN001
     total = 0.0
     for s in steps:
         if s["prefill_tokens"]:
-            total += metrics.prefill_time(config, "h100-sxm", s["prefill_tokens"]).time_s
+            total += arithmetic.prefill_time(config, "h100-sxm", s["prefill_tokens"]).time_s
         if s["decode_tokens"]:
-            total += metrics.decode_step_time(config, "h100-sxm", max(1, int(s["mean_context"])),
+            total += arithmetic.decode_step_time(config, "h100-sxm", max(1, int(s["mean_context"])),
                                               s["decode_tokens"]).time_s
     return total
 

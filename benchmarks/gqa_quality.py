@@ -30,7 +30,7 @@ from common import write_results
 from safetensors.torch import load_file
 
 import minillm
-from minillm import metrics
+from minillm import arithmetic
 from minillm.checkpoints import SHIPPED_MODELS_DIR
 from minillm.eval import perplexity
 from minillm.gqa import UPTRAIN_SETTINGS, UPTRAIN_STEPS, convert_kv_heads, uptrain, valid_kv_heads
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             "queries_per_kv_head": c.n_heads // n_kv,
             "kind": "MQA" if n_kv == 1 else ("MHA" if n_kv == c.n_heads else "GQA"),
             "control": n_kv == c.n_kv_heads,
-            "kv_cache_bytes_per_token_bf16": metrics.kv_cache_bytes_per_token(converted.config, 2),
+            "kv_cache_bytes_per_token_bf16": arithmetic.kv_cache_bytes_per_token(converted.config, 2),
             "params": converted.num_parameters(),
             "val_ppl_converted": before,
             "val_ppl_uptrained": after,

@@ -5,7 +5,7 @@ stored three ways, Llama-3-8B's attention shape (32 query heads, 8 KV heads, hea
 scattered through the pool:
 
 - `bf16`: the pools as the model computes them;
-- `int8`: int8 codes and one fp32 scale per (token, head) (`minillm.kv_quant.quantize_kv`), dequantised
+- `int8`: int8 codes and one fp32 scale per (token, head) (`minillm.quant.kv.quantize_kv`), dequantised
   by the kernel as it reads;
 - `fp8`:  float8 e4m3 codes with the same scales.
 
@@ -41,7 +41,7 @@ def must_read(B: int, H: int, H_kv: int, L: int, D: int, code_bytes: int | None)
 def compare(B: int, L: int, args: argparse.Namespace) -> dict:  # noqa: N803
     from minillm.kernels import paged_decode_attention, paged_decode_attention_reference
 
-    from minillm.kv_quant import quantize_kv
+    from minillm.quant.kv import quantize_kv
 
     H, H_kv, D = args.heads, args.kv_heads, args.head_dim
     sets = make_sets(B, H, H_kv, L, D, 16)

@@ -28,6 +28,8 @@ import torch
 from common import write_results
 from decode_attention import ROTATE_BYTES, capture, check, copy_bandwidth, must_read, time_graphs, warm_up_gpu
 
+from minillm.arithmetic import cdiv
+
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int):  # noqa: ANN201
     """k, v [B, H_kv, L, D] copied into pools [num_blocks, block_size, H_kv, D] at randomly placed blocks.
@@ -48,7 +50,7 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int):  #
 
 def make_sets(B: int, H: int, H_kv: int, L: int, D: int, block_size: int) -> list:  # noqa: N803
     """Input sets (q, k, v, k_pool, v_pool, tables, lengths), enough to exceed L2 per pass."""
-    n = max(1, min(64, -(-ROTATE_BYTES // must_read(B, H, H_kv, L, D))))
+    n = max(1, min(64, cdiv(ROTATE_BYTES, must_read(B, H, H_kv, L, D))))
     sets = []
     for i in range(n):
         g = torch.Generator(device="cuda").manual_seed(i)

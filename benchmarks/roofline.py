@@ -5,7 +5,7 @@ A decode step must read every weight once and each sequence's KV cache once, so 
 
     roofline = (weight bytes read + KV bytes read) / copy bandwidth
 
-with the weights counted by `minillm.metrics.weight_bytes_read` and the KV cache by `kv_cache_bytes`
+with the weights counted by `minillm.arithmetic.weight_bytes_read` and the KV cache by `kv_cache_bytes`
 at the steps' mean context, and the copy bandwidth measured in this run (`decode_attention.copy_bandwidth`:
 a 1 GiB device-to-device copy, bytes read plus written), not the datasheet. Each system's measured time per
 decode step is compared with it: fraction of roofline = roofline / measured.
@@ -43,10 +43,11 @@ from common import write_results
 from decode_attention import copy_bandwidth
 
 import minillm
-from minillm import metrics
-from minillm.cuda_graphs import DecodeGraphs
+from minillm import arithmetic
 from minillm.engine import LLMEngine
-from minillm.paging import PagedKVCache, paged_forward
+from minillm.engine.cuda_graphs import DecodeGraphs
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
 from minillm.sampling import SamplingParams
 
 SHAPES = {
@@ -75,7 +76,7 @@ def prefilled_cache(model, batch: int, context: int, steps: int, seed: int = 0) 
     """A paged cache holding `batch` random prompts of `context` tokens (plus room for `steps` more each, and a
     padding block); returns it and one next token per sequence."""
     g = torch.Generator().manual_seed(seed)
-    blocks = batch * metrics.kv_blocks(context + steps + 1, 16) + 2
+    blocks = batch * arithmetic.kv_blocks(context + steps + 1, 16) + 2
     cache = PagedKVCache(model.config, blocks, 16, device="cuda", dtype=model.dtype, enable_prefix_caching=False)
     prompts = torch.randint(2, model.config.vocab_size, (batch, context), generator=g).tolist()
     for i in range(batch):
@@ -172,7 +173,7 @@ def graph_steps(model, batch: int, context: int, steps: int, fused: bool = True)
 
 def engine_decode(model, batch: int, context: int, steps: int) -> dict:  # noqa: ANN001
     """`LLMEngine` on `batch` requests: seconds per decode-only step (its graphs captured at the first)."""
-    blocks = batch * metrics.kv_blocks(context + steps + 1, 16) + 2
+    blocks = batch * arithmetic.kv_blocks(context + steps + 1, 16) + 2
     engine = LLMEngine(model, None, num_blocks=blocks, max_num_seqs=batch,
                        max_num_batched_tokens=max(8 * context, batch), enable_prefix_caching=False)
     g = torch.Generator().manual_seed(1)
@@ -238,8 +239,8 @@ def main() -> None:
         model = minillm.from_transformers(hf)
         for batch in args.batches:
             mean_context = args.context + args.steps // 2
-            bytes_read = (metrics.weight_bytes_read(model.config, batch)
-                          + metrics.kv_cache_bytes(model.config, mean_context, batch))
+            bytes_read = (arithmetic.weight_bytes_read(model.config, batch)
+                          + arithmetic.kv_cache_bytes(model.config, mean_context, batch))
             row = {"shape": shape, "batch": batch, "context": args.context, "bytes_per_step": bytes_read,
                    "roofline_step_s": bytes_read / bandwidth}
             row.update(eager_steps(model, batch, args.context, args.steps))

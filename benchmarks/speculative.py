@@ -29,9 +29,10 @@ import torch
 from common import write_results
 
 import minillm
-from minillm import metrics
+from minillm import arithmetic
 from minillm.engine import LLM
-from minillm.paging import PagedKVCache, paged_forward
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
 from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
 
@@ -139,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             stats = runs[0][2]
             alpha = stats.alpha
             row = {"temperature": temperature, "k": k, **stats_row(stats),
-                   "expected_tokens_per_step": metrics.expected_tokens_per_step(min(alpha, 1.0), k),
+                   "expected_tokens_per_step": arithmetic.expected_tokens_per_step(min(alpha, 1.0), k),
                    "speedup": (plain_s / plain_tokens) / (seconds / plain_tokens),
-                   "predicted_speedup": metrics.speculative_speedup(alpha, k, costs["c"]),
-                   "predicted_speedup_measured_verify": metrics.expected_tokens_per_step(alpha, k)
+                   "predicted_speedup": arithmetic.speculative_speedup(alpha, k, costs["c"]),
+                   "predicted_speedup_measured_verify": arithmetic.expected_tokens_per_step(alpha, k)
                    / (k * costs["c"] + costs["v"][str(k)]),
                    "plain_ms_per_token": 1e3 * plain_s / plain_tokens,
                    "spec_ms_per_token": 1e3 * seconds / plain_tokens}

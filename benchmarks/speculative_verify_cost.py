@@ -28,9 +28,11 @@ import torch
 from common import write_results
 from roofline import SHAPES, profile_steps
 
+from minillm.arithmetic import cdiv
 from minillm.config import ModelConfig
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
-from minillm.paging import PagedKVCache, paged_forward
 
 
 def build(shape: str) -> Transformer:
@@ -49,7 +51,7 @@ def forward_ms(model: Transformer, batch: int, context: int, news: list[int], re
     """One forward over n new tokens per sequence, for each n in news, at `context` cached tokens: the median wall
     ms of the eager forward (host-bound for small batches) and its GPU kernel ms (torch.profiler: the time a
     CUDA-graph replay approaches)."""
-    blocks = batch * (-(-(context + max(news)) // 16)) + 1
+    blocks = batch * cdiv(context + max(news), 16) + 1
     cache = PagedKVCache(model.config, blocks, 16, "cuda", model.dtype, enable_prefix_caching=False)
     ids = [f"s{b}" for b in range(batch)]
     g = torch.Generator().manual_seed(0)

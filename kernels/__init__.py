@@ -19,6 +19,8 @@ and chapter 04 the paged decode kernel, the same kernel reading K and V through 
 
     paged_decode_attention(q, k_pool, v_pool, block_tables, lengths)
     paged_decode_attention_reference(...)         gather_kv through the tables, then the reference
+    gather_kv(pool, block_tables, length)         the paged read in plain PyTorch: each sequence's K or V,
+                                                  dense (the engine's reference read too; needs no Triton)
 
 and the GPU fast path (issue 16) adds two small fused kernels for the decode step:
 
@@ -27,15 +29,16 @@ and the GPU fast path (issue 16) adds two small fused kernels for the decode ste
     silu_and_mul(gate_up)                         SwiGLU's silu(gate) * up in one pass over memory
     silu_and_mul_reference(gate_up)               F.silu(gate) * up, as MLP computes it
 
-and chapter 06 the int4-weight matmul, dequantising in registers (`minillm.quant.QuantLinear` calls it on CUDA):
+and chapter 06 the int4-weight matmul, dequantising in registers (`minillm.quant.linear.QuantLinear` calls it on CUDA):
 
     w4a16_pack(q)                                 an IntQuantized int4 weight repacked for the kernels, once
     w4a16_matmul(x, weight)                       GEMV for a few rows (decode), tiled GEMM above (prefill)
     w4a16_reference(x, weight)                    dequantise to a full matrix, then matmul
 
-`import minillm.kernels` works on a machine without Triton: the names are then missing, and
-asking for one raises an ImportError that says so. `minillm.model` reaches for `flash_attention`
-(prefill) and `decode_attention` (decode) only on CUDA (see `minillm.model.use_triton_attention`).
+`import minillm.kernels` works on a machine without Triton: the names are then missing (all but
+`gather_kv`), and asking for one raises an ImportError that says so. `minillm.model` reaches for
+`flash_attention` (prefill) and `decode_attention` (decode) only on CUDA (see
+`minillm.model.use_triton_attention`).
 To run the kernels on a CPU, through Triton's interpreter, set TRITON_INTERPRET=1 before anything
 imports triton.
 
@@ -48,10 +51,12 @@ from __future__ import annotations
 
 import importlib.util
 
+from .paged_kv import gather_kv
+
 __all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
            "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
-           "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference",
-           "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
+           "gather_kv", "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul",
+           "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 

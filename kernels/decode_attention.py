@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_kv import gather_kv
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -354,12 +356,9 @@ def paged_decode_attention_reference(
     lengths [B] int (1 .. M * block_size) -> [B, H, D]. With k_scale, v_scale [num_blocks, block_size, H_kv]
     the pools are 8-bit codes (chapter 06), dequantised first (codes x scale, in q's dtype).
     """
-    from minillm.paging import gather_kv
-
-    if k_scale is not None:
-        from minillm.kv_quant import dequantize_kv
-
-        k_pool, v_pool = dequantize_kv(k_pool, k_scale, q.dtype), dequantize_kv(v_pool, v_scale, q.dtype)
+    if k_scale is not None:  # codes x scale, as minillm.quant.kv.dequantize_kv
+        k_pool = (k_pool.float() * k_scale[..., None].float()).to(q.dtype)
+        v_pool = (v_pool.float() * v_scale[..., None].float()).to(q.dtype)
     S = int(lengths.max())
     k, v = gather_kv(k_pool, block_tables.long(), S), gather_kv(v_pool, block_tables.long(), S)
     return decode_attention_reference(q, k, v, lengths, scale)
@@ -373,7 +372,7 @@ def paged_decode_attention(
     """Decode attention that reads K and V through block tables: the kernel above, PAGED (chapter 04).
 
     q [B, H, D]; k_pool and v_pool [num_blocks, block_size, H_kv, D], the paged cache's pools for one
-    layer (`minillm.paging.PagedKVCache.k[layer]`); block_tables [B, M] int (sequence b's key n is in
+    layer (`minillm.engine.kv_cache.PagedKVCache.k[layer]`); block_tables [B, M] int (sequence b's key n is in
     block block_tables[b, n // block_size] at offset n % block_size); lengths [B] int, the keys each
     sequence holds (>= 1) -> [B, H, D] in q's dtype, fp32 inside. `max_len`, the largest length, sizes
     the split (pass it when you know it: reading it from a GPU tensor costs a host sync); default
@@ -394,7 +393,7 @@ def paged_decode_attention(
                    lengths, block_tables, S, scale, num_splits, block_n, kv_scales)
 
 
-CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a quantised cache's pools hold (minillm.kv_quant)
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a quantised cache's pools hold (minillm.quant.kv)
 
 
 def _check_scales(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,

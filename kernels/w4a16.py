@@ -10,7 +10,7 @@ Why a naive int4 path is no faster: dequantising the whole matrix to bf16 in one
 calling the bf16 matmul reads 0.5 bytes, writes 2 and reads 2 again per weight: more traffic than
 bf16 alone. The point of a fused kernel is that the 16-bit weights never touch memory.
 
-The kernels' layout (`W4A16Weight`, built once from a `minillm.quant.IntQuantized` by `w4a16_pack`).
+The kernels' layout (`W4A16Weight`, built once from a `minillm.quant.formats.IntQuantized` by `w4a16_pack`).
 Every fast int4 kernel repacks its weights into a layout made for its loads; this is ours:
   words [N, K/8] int32: the G/8 words of group g (G inputs, 128 by default) hold its G codes so that
     nibble c of word p is input g*G + c*G/8 + p (with G = 128: c*16 + p). A thread that holds 4
@@ -71,7 +71,7 @@ class W4A16Weight:
         return self.words.shape[0], self.words.shape[1] * 8
 
 
-def w4a16_pack(q) -> W4A16Weight:  # noqa: ANN001 - a minillm.quant.IntQuantized
+def w4a16_pack(q) -> W4A16Weight:  # noqa: ANN001 - a minillm.quant.formats.IntQuantized
     """Repack a 4-bit asymmetric grouped `IntQuantized` into the kernels' layout (once, at load time)."""
     if q.bits != 4 or q.zero is None:
         raise ValueError("W4A16 needs an asymmetric 4-bit weight: quantize_int(w, 4, group_size, symmetric=False).")

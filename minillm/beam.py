@@ -45,10 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.generate import default_eos_ids, prepare_prompt
-from minillm.metrics import kv_blocks
+from minillm.arithmetic import kv_blocks
+from minillm.engine.block_manager import BLOCK_SIZE
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
+from minillm.engine.sequence import default_eos_ids, prepare_prompt
 from minillm.model import Transformer
-from minillm.paging import BLOCK_SIZE, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 

@@ -129,8 +129,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int] | str, max_t
 async def _online(url: str, model: str, requests: list[tuple[list[int], int]], rate: float, max_seconds: float,
                   seed: int, use_tqdm: bool) -> tuple[list[RequestResult], float]:
     import httpx
-
-    from minillm.notebook import tqdm
+    from tqdm.auto import tqdm
 
     rng = random.Random(seed)
     results = [RequestResult(len(p), n, math.nan) for p, n in requests]

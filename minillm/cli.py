@@ -21,7 +21,7 @@ from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
 QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
 QUANT_HELP = ("quantise the weights first (chapter 06): int8/int4/nf4/fp8 round to nearest; gptq-int4, awq-int4 "
               "and smoothquant calibrate on the shipped training sample (default: none)")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # minillm.kv_quant.KV_CACHE_DTYPES, written out likewise
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # minillm.quant.kv.KV_CACHE_DTYPES, written out likewise
 KV_HELP = ("what the KV cache stores (chapter 06): auto (the model's dtype), or int8 / fp8 with a scale per token "
            "and head, about half the bytes (default: auto)")
 
@@ -75,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_book_exercises(args: argparse.Namespace) -> int:
     from minillm.book import load_book
-    from minillm.grading.exercises import exercise_text, write_exercises
+    from minillm.book.grading.exercises import exercise_text, write_exercises
 
     if not args.check:
         for path in write_exercises():
@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     from minillm.bench import add_bench_command
-    from minillm.grading.drills import add_drill_command
-    from minillm.grading.grade import add_grade_command
+    from minillm.book.grading.drills import add_drill_command
+    from minillm.book.grading.grade import add_grade_command
 
     add_grade_command(sub)
     add_drill_command(sub)

@@ -129,7 +129,7 @@ def distill(
     Args:
         student, teacher: minillm models sharing a tokenizer (the same vocabulary).
         ids: [n_tokens] int64 from the TRAINING text (e.g. the tokenized
-            `minillm.calibration.sample_text("train")`). Never the validation text: it judges the result.
+            `minillm.quant.calibration.sample_text("train")`). Never the validation text: it judges the result.
         steps, lr, batch_size, seq_len, seed: see `distill_settings`.
         temperature: T of `distillation_loss`.
         progress: show a progress bar.

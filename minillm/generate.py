@@ -1,15 +1,18 @@
-"""The generation loop: prefill once, then decode one token at a time (chapters 01-02).
+"""The front doors: generate one completion, stream it, or constrain it; and the loops of chapter 02 (chapters 01-02).
 
     prompt ids ─ prefill ─► logits of the last position ─ sample ─► token 1
     token t    ─ decode_one_token (reads the KV cache) ─► logits ─ sample ─► token t+1
     ... until EOS, a stop string, or max_tokens.
 
 `prefill` and `decode_one_token` are separate named functions (the hot paths) so they can be
-timed, profiled and compiled on their own, on chapter 02's contiguous `KVCache`. `generate` itself
-runs its one request through the engine of chapter 05 (`minillm.engine.LLMEngine`, on the paged
-cache of chapter 04): one generation loop serves a single call and a server alike.
+timed, profiled and compiled on their own, on chapter 02's contiguous `KVCache`. The generation
+loop itself is the engine's step (`minillm.engine.LLMEngine`, chapter 05, on the paged cache of
+chapter 04): `generate`, `generate_stream` and `generate_constrained` each run their one request
+through an engine sized for it (`LLMEngine.for_one_prompt`), so a single call and a server share one loop.
 `generate_no_cache` is the reference loop that recomputes the whole sequence at every step;
 chapter 02 measures the two against each other.
+`generate_constrained` runs one request whose output must match a regex or a JSON schema
+(chapter 01): `minillm.constrained` builds the token index, the engine masks the logits with it.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minillm.constrained import TokenIndex
+from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.sequence import Sequence, default_eos_ids, prepare_prompt
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from minillm.engine import LLMEngine
     from minillm.speculative import SpeculativeConfig, SpeculativeStats
 
 
@@ -98,39 +103,6 @@ def decode_one_token(model: Transformer, token: torch.Tensor, cache: KVCache) ->
     return model(token, cache=cache)[:, -1]
 
 
-def prepare_prompt(
-    model: Transformer, prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer | None
-) -> list[int]:
-    """Prompt -> ids, checked: not empty, ids in the vocabulary, and room for max_tokens."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer: pass tokenizer=..., or pass token ids.")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token.")
-    vocab = model.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
-    limit = model.config.max_seq_len
-    if len(ids) + params.max_tokens > limit:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-            f"{len(ids) + params.max_tokens} exceeds the model's context of {limit} tokens; "
-            "shorten the prompt or lower max_tokens."
-        )
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings are matched on text: pass a tokenizer, or drop stop=.")
-    return ids
-
-
-def default_eos_ids(model: Transformer, tokenizer: Tokenizer | None) -> set[int]:
-    """The ids that end a sequence: the model config's and the tokenizer's."""
-    return set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else [])
-
-
 def check_one_completion(params: SamplingParams) -> None:
     """`generate` returns one completion: refuse n or best_of > 1 rather than drop the others silently."""
     if params.n > 1 or (params.best_of or 1) > 1:
@@ -138,75 +110,6 @@ def check_one_completion(params: SamplingParams) -> None:
             f"generate returns one completion, but params asks for n={params.n}, best_of={params.best_of}: "
             "use minillm.generate_n for several completions of one prompt."
         )
-
-
-class StopStringMatcher:
-    """Finds stop strings in streamed text, across token boundaries.
-
-    Text that might be the start of a stop string is held back until the next tokens show
-    whether the stop string completes (then it is cut, with everything after) or not (then it
-    is released).
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add new text; return (text safe to emit now, whether a stop string was found)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        hold = 0  # the longest tail of `pending` that some stop string begins with
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
-                if self.pending.endswith(s[:n]):
-                    hold = n
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        """Release whatever is held back (generation ended for another reason)."""
-        out, self.pending = self.pending, ""
-        return out
-
-
-class CompletionState:
-    """One completion being generated: its tokens, text, log-probabilities and times so far, and why it
-    ended (`generate_n`'s rows, the engine's requests). `push` applies `generate`'s stopping rules:
-    EOS, a stop string (cut from the text), or the last allowed token."""
-
-    def __init__(self, prompt_ids: list[int], tokenizer: Tokenizer | None, params: SamplingParams) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, prompt_ids) if tokenizer is not None else None
-        self.stops = StopStringMatcher(params.stop)
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[dict[int, float]] = []
-        self.times: list[float] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-
-    def push(self, token_id: int, logprob: float, top: dict[int, float], time_s: float, eos: set[int],
-             last: bool) -> None:
-        """Add one sampled token; set `finish_reason` if it ends the row (the rules of `generate`)."""
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
-        self.top_logprobs.append(top)
-        self.times.append(time_s)
-        stopped = False
-        if self.decoder is not None:
-            text, stopped = self.stops.feed(self.decoder.push(token_id))
-            self.text += text
-        if stopped or token_id in eos:
-            self.finish_reason = "stop"
-        elif last:
-            self.finish_reason = "length"
-        if self.finish_reason is not None and not stopped:
-            self.text += self.stops.flush()
 
 
 def generate_stream(
@@ -243,8 +146,6 @@ def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, toke
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} sets how the KV cache is stored, and use_cache=False "
                              "keeps none: drop one of them.")
         return None
-    from minillm.engine import LLMEngine
-
     return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative, kv_cache_dtype)
 
 
@@ -266,19 +167,19 @@ def _stream(
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-    eos = set() if params.ignore_eos else default_eos_ids(model, tokenizer)
-    row = CompletionState(ids, tokenizer, params)  # the engine's stopping rules, text and log-probabilities
+    row = Sequence("no-cache", ids, params, arrival_time=start,  # the engine's stopping rules, text, logprobs
+                   detokenizer=IncrementalDecoder(tokenizer, ids) if tokenizer is not None else None,
+                   eos_token_ids=set() if params.ignore_eos else default_eos_ids(model, tokenizer))
     sequence = torch.tensor([ids], device=device)
-    for n in range(1, params.max_tokens + 1):
+    for _ in range(params.max_tokens):
         logits = prefill(model, sequence, None)  # the whole sequence, every step
-        token = sample(logits, params, generator, prompt_ids=[ids], output_ids=[row.token_ids])  # [1]
+        token = sample(logits, params, generator, prompt_ids=[ids], output_ids=[row.output_token_ids])  # [1]
         token_id = int(token.item())  # waits for the device: the token is really ready
         lp = compute_logprobs(logits, token, params.logprobs or 0)
         text_before = len(row.text)
-        row.push(token_id, float(lp.logprobs[0]), dict(zip(*lp.top_logprobs[0])), time.perf_counter() - start, eos,
-                 n == params.max_tokens)
+        row.append_token(token_id, float(lp.logprobs[0]), dict(zip(*lp.top_logprobs[0])), time.perf_counter())
         wanted = params.logprobs is not None
-        yield StreamChunk(token_id, row.text[text_before:], row.times[-1], row.finish_reason,
+        yield StreamChunk(token_id, row.text[text_before:], row.token_times[-1], row.finish_reason,
                           row.logprobs[-1] if wanted else None, row.top_logprobs[-1] if wanted else None)
         if row.finish_reason is not None:
             return
@@ -323,7 +224,7 @@ def generate(
     With `speculative` (`minillm.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
     and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
-    chapter 06, `minillm.kv_quant`) is how the engine's KV cache stores keys and values.
+    chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values.
 
     Example:
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
@@ -355,3 +256,74 @@ def generate_no_cache(
 ) -> GenerationOutput:
     """The reference loop without a KV cache: each step runs the whole sequence again."""
     return generate(model, prompt, params, tokenizer, use_cache=False)
+
+
+@dataclass
+class ConstrainedOutput:
+    """What `generate_constrained` returns.
+
+    finish_reason: "stop" (EOS in an accepting state, or an accepting state nothing can follow) or
+    "length" (max_tokens). complete: the text fully matches the pattern / validates against the
+    schema; False only when max_tokens cut it short, and then `text` must not be trusted.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids, including a sampled EOS
+    text: str  # the generated text (EOS excluded)
+    finish_reason: str
+    complete: bool
+    state: int  # the DFA state at the end
+
+
+def generate_constrained(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    constraint: str | dict | TokenIndex,
+    params: SamplingParams | None = None,
+    kv_cache_dtype: str = "auto",
+) -> ConstrainedOutput:
+    """Generate a completion of `prompt` whose text matches a regex (str) or a JSON schema (dict) (chapter 01).
+
+    Pass a prebuilt `TokenIndex` to reuse it across calls; a str or dict builds one each call.
+    It runs as one request of the engine (`LLMEngine.add_request(..., constraint=index)`), which at every
+    step masks the logits to the state's allowed tokens, samples, and advances the DFA. `kv_cache_dtype`:
+    what its KV cache stores, "auto" (the model's dtype), "int8" or "fp8" (chapter 06).
+
+    Example:
+        >>> out = generate_constrained(model, tok, "Age: ", r"[1-9][0-9]?", SamplingParams(max_tokens=4))
+        >>> out.text, out.complete
+        ('42', True)
+    """
+    params = params or SamplingParams()
+    check_one_completion(params)
+
+    start = time.perf_counter()
+    ids = prepare_prompt(model, prompt, params, tokenizer)
+    index = constraint
+    if not isinstance(index, TokenIndex):
+        index = TokenIndex.from_constraint(constraint, tokenizer, model.config.eos_token_ids)
+    if index.is_finished(index.start):  # the pattern allows only the empty string
+        return _output(index, ids, [], "stop", index.start)
+    engine = LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, kv_cache_dtype=kv_cache_dtype)
+    engine.add_request("constrained", ids, params, arrival_time=start, constraint=index)
+    out = engine.run()["constrained", 0]
+    state = index.start
+    for token in out.token_ids:  # the DFA state the output ends in
+        if token not in index.eos_token_ids:
+            state = index.advance(state, token)
+    return _output(index, ids, out.token_ids, out.finish_reason or "length", state)
+
+
+def _output(
+    index: TokenIndex, prompt_ids: list[int], generated: list[int], finish: str, state: int
+) -> ConstrainedOutput:
+    pieces = [index.token_bytes[t] for t in generated if t not in index.eos_token_ids]
+    return ConstrainedOutput(
+        prompt_token_ids=prompt_ids,
+        token_ids=generated,
+        text=b"".join(pieces).decode("utf-8", errors="replace"),  # valid UTF-8 whenever complete
+        finish_reason=finish,
+        complete=index.dfa.is_accepting(state),
+        state=state,
+    )

@@ -10,9 +10,9 @@ possible sequence is exactly the waste that paging (chapter 04) removes.
 
 `KVCache` answers `minillm.model.CacheView`, the four questions `Transformer.forward` asks of any
 cache: `positions`, `attention_mask`, `update` and `advance` (the paged cache of chapter 04,
-`minillm.paging`, answers the same four).
+`minillm.engine.kv_cache`, answers the same four).
 
-With `kv_cache_dtype="int8"` or `"fp8"` (chapter 06, `minillm.kv_quant`) the cache stores keys and
+With `kv_cache_dtype="int8"` or `"fp8"` (chapter 06, `minillm.quant.kv`) the cache stores keys and
 values in 8 bits, with one fp32 scale per (token, head) in `k_scale` / `v_scale` beside them: `update`
 quantises what it writes and dequantises what it returns, so the model reads its own dtype.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from minillm.config import ModelConfig
-from minillm.kv_quant import allocate_pools, dequantize_kv, kv_storage_dtype, quantize_kv
 from minillm.model import CAUSAL, attention_mask, use_triton_attention
+from minillm.quant.kv import allocate_pools, dequantize_kv, kv_storage_dtype, quantize_kv
 
 
 class KVCache:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.kv_quant import QuantizedPool
+from minillm.quant.kv import QuantizedPool
 
 
 class RMSNorm(nn.Module):
@@ -188,7 +188,7 @@ FLASH_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims minillm.kernels.flash_
 class PagedDecode:
     """The `mask` of a decode step that reads keys and values straight from a paged cache (chapter 04).
 
-    A `minillm.paging.PagedCacheView` returns it from `attention_mask` when every row has one new
+    A `minillm.engine.kv_cache.PagedCacheView` returns it from `attention_mask` when every row has one new
     token and the paged Triton kernel will run (CUDA). Its `update` then hands back the layer's
     pools [num_blocks, block_size, n_kv_heads, head_dim] instead of gathering each row's keys, and
     `grouped_query_attention` runs `minillm.kernels.paged_decode_attention` with these tables.
@@ -254,7 +254,7 @@ def grouped_query_attention(
     on CUDA runs the Triton decode kernel, which reads each K/V head once for its G query heads
     (chapter 03). With mask a `PagedDecode`, k and v are a paged cache's pools and the paged decode
     kernel reads them through the block tables (chapter 04); for a quantised cache (chapter 06) k and v are
-    `minillm.kv_quant.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
+    `minillm.quant.kv.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
     """
     B, H, T, d = q.shape
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
@@ -363,7 +363,7 @@ class CacheView(Protocol):
         cache.advance(T)                                after the last layer: the new tokens are filled
 
     The contiguous `minillm.kv_cache.KVCache` (chapter 02) answers for a batch of equal-length rows;
-    a `minillm.paging.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
+    a `minillm.engine.kv_cache.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
     may hold sequences of different lengths.
     """
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from minillm.engine import LLMEngine, RequestOutput, best_of_n
-from minillm.generate import GenerationOutput, prepare_prompt
+from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
+from minillm.engine.sequence import prepare_prompt
+from minillm.generate import GenerationOutput
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -73,7 +74,7 @@ def generate_n(
     engine.add_request("n", ids, params if params.logprobs is not None else replace(params, logprobs=0),
                        arrival_time=start)
     finished = engine.run()
-    return [_output(out, params) for out in best_of_n([finished["n", i] for i in range(best_of)], params.n)]
+    return [_output(out, params) for out in n_best_by_logprob([finished["n", i] for i in range(best_of)], params.n)]
 
 
 def _output(out: RequestOutput, params: SamplingParams) -> CompletionOutput:

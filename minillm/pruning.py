@@ -51,8 +51,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.calibration import blocks_in_order, capture_inputs
-from minillm.quant import block_linears
+from minillm.quant.calibration import blocks_in_order, capture_inputs
+from minillm.quant.linear import block_linears
 
 METHODS = ("unstructured", "2:4")
 SCORES = ("magnitude", "wanda")
@@ -142,7 +142,7 @@ def prune(
             consecutive inputs; `sparsity` must then be 0.5).
         sparsity: fraction of each row's weights to zero, in [0, 1).
         calibration: token ids [n_seqs, seq_len] from the *training* split (see
-            `minillm.calibration.calibration_ids`); needed for scores="wanda".
+            `minillm.quant.calibration.calibration_ids`); needed for scores="wanda".
         scores: "magnitude" (|w|) or "wanda" (|w| times the L2 norm of its input feature). With
             Wanda the blocks are pruned first to last, each block's input norms measured on the model
             whose earlier blocks are already pruned (as Wanda's reference code does), so that
@@ -156,7 +156,7 @@ def prune(
         raise ValueError(f"2:4 pruning removes exactly half of the weights; got sparsity={sparsity} (pass 0.5).")
     if scores == "wanda" and calibration is None:
         raise ValueError("scores='wanda' needs calibration token ids [n_seqs, seq_len] from the training split "
-                         "(see minillm.calibration.calibration_ids).")
+                         "(see minillm.quant.calibration.calibration_ids).")
     if not block_linears(model):
         raise ValueError("this model has no nn.Linear in its blocks to prune (already quantised? prune first, "
                          "then quantise).")

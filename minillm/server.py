@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from minillm.engine import LLMEngine, RequestOutput, best_of_n
+from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
 
 try:
@@ -230,7 +230,7 @@ class AsyncEngine:
         return request_id, waiter
 
     def num_prompt_tokens(self, request_id: str) -> int:
-        return len(self.engine.scheduler.requests[request_id].prompt_token_ids)
+        return len(self.engine.scheduler.sequences[request_id].prompt_token_ids)
 
     def release(self, request_id: str) -> None:
         """The handler is done with this request: abort it if unfinished (a client went away)."""
@@ -323,7 +323,7 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
             if not waiter.done:
                 return JSONResponse({}, status_code=499)  # the client went away: nobody reads this
             choices = []
-            for i, out in enumerate(best_of_n(finals, params.n)):
+            for i, out in enumerate(n_best_by_logprob(finals, params.n)):
                 choice = ({"index": i, "message": {"role": "assistant", "content": out.text}} if chat
                           else {"index": i, "text": out.text, "logprobs": None})
                 choices.append(choice | {"finish_reason": out.finish_reason})

@@ -30,13 +30,14 @@ The pieces:
   A Medusa- or EAGLE-style head is a third kind of drafter: it proposes from the target's own hidden
   state; it plugs into the same interface (chapter 07 draws it).
 * `SpeculativeConfig`: a drafter and k, given to `minillm.engine.LLMEngine(speculative=...)`, or to
-  `minillm.generate(..., speculative=...)`. The engine's step runs the verify forward for its decode
-  rows and rolls back the rejected positions with `PagedKVCache.truncate`.
+  `minillm.generate(..., speculative=...)`. The engine's model runner runs the verify forward for its
+  decode rows (`ModelRunner.speculative_decode`), `SpeculativeConfig.accept` applies the rule to each row,
+  and the rejected positions are rolled back with `PagedKVCache.truncate`.
 * `SpeculativeStats`: what was proposed and accepted, per draft position, and tokens per target forward.
 
 The expected number of tokens per target forward, (1 - alpha^(k+1)) / (1 - alpha), and the speed-up
-with a draft of relative cost c are `minillm.metrics.expected_tokens_per_step` and
-`minillm.metrics.speculative_speedup`.
+with a draft of relative cost c are `minillm.arithmetic.expected_tokens_per_step` and
+`minillm.arithmetic.speculative_speedup`.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from typing import Protocol
 
 import torch
 
-from minillm.metrics import kv_blocks
+from minillm.arithmetic import kv_blocks
+from minillm.engine.block_manager import BLOCK_SIZE, NoFreeBlocksError
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
-from minillm.paging import BLOCK_SIZE, NoFreeBlocksError, PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams, process_logits
 
 
@@ -353,3 +356,17 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}.")
+
+    def accept(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+               draft_tokens: list[int], draft_probs: torch.Tensor | None,
+               generator: torch.Generator | None) -> list[int]:
+        """The verify rule on one row: the tokens it emits (the accepted drafts, then one of the target's).
+
+        logits [d + 1, V] are the target's raw logits at the d draft positions and after the last one;
+        draft_probs [d, V] the drafter's q (None: deterministic drafts, q one-hot). Greedy rows accept
+        while the draft is the argmax (`verify_greedy`); the others run speculative sampling (`verify`).
+        """
+        p = target_probabilities(logits, params, prompt_ids, output_ids, draft_tokens)
+        if params.greedy:
+            return verify_greedy(p.argmax(dim=-1).tolist(), draft_tokens)
+        return verify(p, draft_tokens, draft_probs, generator)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import minillm
+from minillm.arithmetic import cdiv
 from minillm.beam import BeamSearch, beam_search, beam_step
 from minillm.checkpoints import SHIPPED_MODELS_DIR
 
@@ -91,8 +92,8 @@ def test_beams_share_their_common_blocks_through_the_paged_cache(shipped):
     ids = tok.encode(PROMPTS["citizen"])  # 20 tokens: a full block of 16 and a partial one
     search = BeamSearch(model, ids, num_beams=4, max_tokens=MAX_TOKENS)
     allocator, bs = search.cache.allocator, search.cache.block_size
-    copied = 4 * -(-len(ids) // bs)  # a contiguous cache holds the prompt once per beam
-    assert allocator.num_used_blocks == -(-len(ids) // bs), "after the prefill the 4 beams share one prompt"
+    copied = 4 * cdiv(len(ids), bs)  # a contiguous cache holds the prompt once per beam
+    assert allocator.num_used_blocks == cdiv(len(ids), bs), "after the prefill the 4 beams share one prompt"
     while search.step():
         used = allocator.num_used_blocks
         unique = {b for i in search.beam_ids for b in search.cache.block_tables[i].block_ids}

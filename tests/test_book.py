@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from minillm.book import BookError, load_book, readme_contents
-from minillm.grading import get_task
+from minillm.book.grading import get_task
 
 BOOK = load_book()
 WRITTEN = BOOK.written()
@@ -34,7 +34,7 @@ def test_every_file_a_written_chapter_names_exists(chapter):
 
 
 def test_every_drill_id_exists():
-    from minillm.grading import load_drills
+    from minillm.book.grading import load_drills
 
     ids = {d.id for d in load_drills()}
     for chapter in BOOK.chapters:

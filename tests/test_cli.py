@@ -167,8 +167,8 @@ def test_main_generate_unknown_kv_cache_dtype_is_a_usage_error(capsys):
 
 def test_cli_choices_match_the_library():
     """The CLI writes its choices out (so that --help stays light); they must be the library's."""
-    from minillm.kv_quant import KV_CACHE_DTYPES
     from minillm.quant import QUANT_OPTIONS
+    from minillm.quant.kv import KV_CACHE_DTYPES
 
     assert minillm.cli.QUANT_CHOICES == QUANT_OPTIONS
     assert minillm.cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES

@@ -23,12 +23,12 @@ from minillm.constrained import (
     RegexDFA,
     TokenIndex,
     bytes_to_unicode,
-    generate_constrained,
     mask_logits,
     schema_to_regex,
     utf8_sequences,
     vocabulary_bytes,
 )
+from minillm.generate import generate_constrained
 from minillm.sampling import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""minillm.cuda_graphs: decode steps captured as CUDA graphs, and the engine's use of them.
+"""minillm.engine.cuda_graphs: decode steps captured as CUDA graphs, and the engine's use of them.
 
 On a CPU the capture itself cannot run, but everything around it can: the choice of batch sizes, the
 static input buffer (padding rows, stale columns, reuse across sizes) and the step's code over that
@@ -24,9 +24,10 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 import minillm.kernels  # noqa: E402, F401
 
 import minillm  # noqa: E402
-from minillm.cuda_graphs import DecodeGraphs, graph_batch_sizes, graphs_unavailable, padded_batch_size  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
-from minillm.paging import PagedKVCache, paged_forward  # noqa: E402
+from minillm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graphs_unavailable, padded_batch_size  # noqa: E402
+from minillm.engine.kv_cache import PagedKVCache  # noqa: E402
+from minillm.engine.model_runner import paged_forward  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
 DECODE = sys.modules["minillm.kernels.decode_attention"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from minillm.grading.drills import (
+from minillm.book.grading.drills import (
     LEVELS,
     Drill,
     DrillError,
@@ -113,7 +113,7 @@ def test_unknown_drill_id_suggests_close_ones():
 # ------------------------------------------------------------------------------------ malformed files
 GOOD = {"id": "02.x", "level": "advanced", "kind": "numeric", "tags": ["memory"], "question": "Q?",
         "answer": 1.0, "unit": "GB", "tolerance": 0.02, "explanation": "E.",
-        "compute": {"function": "minillm.metrics.weight_bytes", "args": {"config_or_n_params": 1e9}}}
+        "compute": {"function": "minillm.arithmetic.weight_bytes", "args": {"config_or_n_params": 1e9}}}
 
 
 def write_bank(folder: Path, drills: list[dict], name: str = "02_kv_cache.yaml", chapter: str = "02") -> Path:
@@ -136,7 +136,7 @@ def write_bank(folder: Path, drills: list[dict], name: str = "02_kv_cache.yaml",
         ({"colour": "red"}, "colour", "unknown field"),
         ({"choices": ["a", "b"]}, "choices", "does not belong to a numeric drill"),
         ({"compute": {"function": "os.system", "args": {}}}, "compute", "dotted path inside minillm"),
-        ({"compute": {"function": "minillm.metrics.weight_bytes", "args": {"x": "80e9"}}}, "compute", "signed"),
+        ({"compute": {"function": "minillm.arithmetic.weight_bytes", "args": {"x": "80e9"}}}, "compute", "signed"),
     ],
 )
 def test_task_malformed_drill_names_file_id_and_field(tmp_path, change, field, problem):
@@ -234,7 +234,7 @@ def test_drill_card_hides_the_answer_behind_a_reveal(capsys):
     card.check("a")
     assert capsys.readouterr().out.startswith("✗ Not quite")
     numeric = drill("02.kv-llama2-7b-4k-b8")._repr_html_()
-    assert "Answer in GB" in numeric and "minillm.metrics.kv_cache_bytes(config=&#x27;llama-2-7b&#x27;" in numeric
+    assert "Answer in GB" in numeric and "minillm.arithmetic.kv_cache_bytes(config=&#x27;llama-2-7b&#x27;" in numeric
 
 
 def test_render_markdown_groups_by_chapter_with_reveals():

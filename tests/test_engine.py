@@ -1,4 +1,4 @@
-"""minillm.scheduler and minillm.engine (chapter 05): continuous batching must not change any request's output.
+"""minillm.engine.scheduler and minillm.engine (chapter 05): continuous batching must not change any request's output.
 
 The engine batches requests of different lengths into one forward per step, cuts prompts into chunks
 under a token budget, and preempts (frees and later recomputes) requests when KV blocks run out. None
@@ -17,11 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minillm
+from minillm.arithmetic import cdiv
 from minillm.engine import LLM, LLMEngine
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.generate import generate
-from minillm.paging import PagedKVCache
 from minillm.sampling import SamplingParams
-from minillm.scheduler import Request, RequestStatus, Scheduler
 
 MODEL = "shakespeare-1m"
 TEXT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\nFIRST CITIZEN.\n"
@@ -62,11 +64,11 @@ def run(s: Scheduler, out) -> None:
 
 def test_token_budget_chunks_a_long_prompt_beside_the_running_decodes():
     s = scheduler_with(64, max_num_batched_tokens=8)
-    s.add(Request("short", list(range(3)), SamplingParams(max_tokens=5)))
+    s.add(Sequence("short", list(range(3)), SamplingParams(max_tokens=5)))
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 3)]
     run(s, out)
-    s.add(Request("long", list(range(20)), SamplingParams(max_tokens=5)))
+    s.add(Sequence("long", list(range(20)), SamplingParams(max_tokens=5)))
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)], (
         "the running request's decode token comes first, then as much of the long prompt as the budget of 8 allows"
@@ -77,7 +79,7 @@ def test_token_budget_chunks_a_long_prompt_beside_the_running_decodes():
 def test_waiting_requests_are_served_in_order_and_say_why_they_wait():
     s = scheduler_with(64, max_num_seqs=1)
     for name in "abc":
-        s.add(Request(name, [1, 2, 3], SamplingParams(max_tokens=2)))
+        s.add(Sequence(name, [1, 2, 3], SamplingParams(max_tokens=2)))
     out = s.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["a"]
     assert out.waiting == {"b": "max_num_seqs", "c": "behind b"}
@@ -85,7 +87,7 @@ def test_waiting_requests_are_served_in_order_and_say_why_they_wait():
 
 def test_preemption_frees_the_newest_request_and_requeues_it_first():
     s = scheduler_with(4, max_num_batched_tokens=64)  # 4 blocks of 4 tokens
-    old, new = Request("old", list(range(8)), SamplingParams(max_tokens=8)), Request("new", list(range(7)),
+    old, new = Sequence("old", list(range(8)), SamplingParams(max_tokens=8)), Sequence("new", list(range(7)),
                                                                                        SamplingParams(max_tokens=8))
     s.add(old)
     s.add(new)
@@ -94,7 +96,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     run(s, out)
     out = s.schedule()  # old's 9th token needs a third block: new is preempted
     assert out.preempted == ["new"] and [r.request_id for r, _ in out.scheduled] == ["old"]
-    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.num_preemptions == 1
     assert s.waiting[0] is new, "a preempted request goes back to the head of the queue"
     assert new.request_id not in s.cache.block_tables, "its blocks are freed"
 
@@ -102,13 +104,13 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
 def test_add_refuses_requests_that_could_never_run():
     s = scheduler_with(4)  # 16 token slots
     with pytest.raises(ValueError, match="more than the whole KV cache"):
-        s.add(Request("big", list(range(10)), SamplingParams(max_tokens=10)))
-    s.add(Request("x", [1], SamplingParams(max_tokens=2)))
+        s.add(Sequence("big", list(range(10)), SamplingParams(max_tokens=10)))
+    s.add(Sequence("x", [1], SamplingParams(max_tokens=2)))
     with pytest.raises(ValueError, match="already in use"):
-        s.add(Request("x", [1], SamplingParams(max_tokens=2)))
+        s.add(Sequence("x", [1], SamplingParams(max_tokens=2)))
     no_chunks = scheduler_with(64, max_num_batched_tokens=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="chunked prefill is off"):
-        no_chunks.add(Request("long", list(range(9)), SamplingParams(max_tokens=1)))
+        no_chunks.add(Sequence("long", list(range(9)), SamplingParams(max_tokens=1)))
 
 
 # ------------------------------------------------------------------ the engine
@@ -160,8 +162,15 @@ def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids):
 def test_bad_requests_are_refused_with_a_clear_error(shipped):
     model, tok = shipped
     engine = LLMEngine(model, tok)
-    with pytest.raises(ValueError, match="'#'"):
-        engine.add_request("a#1", "A", SamplingParams())
+    # Forks are Sequences of their request (keys (id, index)), so no character of an id is reserved: "a#1" beside
+    # "a" with n=2 are three sequences that cannot collide.
+    engine.add_request("a#1", "A", SamplingParams(max_tokens=2))
+    engine.add_request("a", "A", SamplingParams(max_tokens=2, n=2, temperature=1.0, seed=0))
+    finished = engine.run()
+    assert sorted(finished) == [("a", 0), ("a", 1), ("a#1", 0)]
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request("b", "A", SamplingParams(max_tokens=2))
+        engine.add_request("b", "A", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="context"):
         engine.add_request(None, "A", SamplingParams(max_tokens=model.config.max_seq_len + 1))
     with pytest.raises(ValueError, match="empty"):
@@ -184,7 +193,7 @@ def test_random_arrivals_under_a_small_pool_give_every_request_its_solo_output(s
                       data.draw(st.integers(1, 24), label="max_tokens"), data.draw(st.integers(0, 8), label="arrival")))
     budget = data.draw(st.sampled_from([4, 16, 64]), label="max_num_batched_tokens")
     largest = max(kv_len + m for _, kv_len, m, _ in specs)
-    num_blocks = data.draw(st.integers(-(-largest // 16), -(-largest // 16) + 6), label="num_blocks")
+    num_blocks = data.draw(st.integers(cdiv(largest, 16), cdiv(largest, 16) + 6), label="num_blocks")
     engine = LLMEngine(model, None, num_blocks=num_blocks, max_num_seqs=data.draw(st.integers(1, 4)),
                        max_num_batched_tokens=budget, enable_prefix_caching=data.draw(st.booleans()))
     prompts = {str(i): text_ids[s: s + k] for i, (s, k, _, _) in enumerate(specs)}
@@ -277,7 +286,8 @@ def test_llm_generate_returns_the_n_best_of_best_of_per_prompt(shipped, text_ids
 
 
 def test_a_constrained_request_batched_with_others_matches_its_solo_run(shipped, text_ids):
-    from minillm.constrained import TokenIndex, generate_constrained
+    from minillm.constrained import TokenIndex
+    from minillm.generate import generate_constrained
 
     model, tok = shipped
     index = TokenIndex.from_constraint(r"(Speak|Resolved), [a-z]+\.", tok, model.config.eos_token_ids)

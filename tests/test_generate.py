@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import minillm
 from minillm import SamplingParams
-from minillm.generate import StopStringMatcher
+from minillm.engine.sequence import StopStringMatcher
 from minillm.tokenizer import IncrementalDecoder
 
 PROMPT = "To be, or not to be"

@@ -11,12 +11,13 @@ import nbformat
 import pytest
 import torch
 
+from minillm.arithmetic import cdiv
 from minillm.book import load_book
+from minillm.book.grading import TASKS, check, get_task, register_task, run_task
+from minillm.book.grading.exercises import ExerciseError, blank_source, exercise_text, make_exercise
+from minillm.book.grading.registry import MismatchError, summarise_exception
+from minillm.book.grading.tasks import ch00
 from minillm.cli import main
-from minillm.grading import TASKS, check, get_task, register_task, run_task
-from minillm.grading.check import MismatchError, summarise_exception
-from minillm.grading.exercises import ExerciseError, blank_source, exercise_text, make_exercise
-from minillm.grading.tasks import ch00
 from minillm.quant import NF4_CODEBOOK
 
 
@@ -153,7 +154,7 @@ def test_check_prints_one_line_per_test(capsys):
 def test_check_leaves_the_tests_to_the_grader_inside_its_sandbox(monkeypatch, capsys):
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("minillm.grading.check"), "GRADING", True)
+    monkeypatch.setattr(importlib.import_module("minillm.book.grading.check"), "GRADING", True)
     check("00.rotary", _blank)
     assert "checked by the grader" in capsys.readouterr().out
 
@@ -168,7 +169,7 @@ def test_summarise_exception_of_not_implemented():
 
 
 def test_expect_helpers_report_shape_and_type():
-    from minillm.grading.check import expect_close, expect_equal
+    from minillm.book.grading.registry import expect_close, expect_equal
 
     with pytest.raises(MismatchError, match=r"shape \(2, 3\)"):
         expect_close(torch.zeros(3, 2), torch.zeros(2, 3), "f(x)")
@@ -234,7 +235,7 @@ FORBID_RMS = get_task("00.rms_norm").forbidden
 
 
 def _misuse(*cells: str, answer: str = "rms_norm") -> str | None:
-    from minillm.grading.forgery import forbidden_use, read_source
+    from minillm.book.grading.forgery import forbidden_use, read_source
 
     return forbidden_use(read_source(list(cells)), answer, FORBID_RMS)
 
@@ -251,8 +252,8 @@ def test_source_check_accepts_the_readers_own_code():
 
 
 @pytest.mark.parametrize("cells, words", [
-    (["from minillm.grading.tasks.ch00 import reference_rms_norm as rms_norm"], "belongs to the grader"),
-    (["import minillm.grading.tasks.ch00 as t", "rms_norm = t.reference_rms_norm"], "belongs to the grader"),
+    (["from minillm.book.grading.tasks.ch00 import reference_rms_norm as rms_norm"], "belongs to the grader"),
+    (["import minillm.book.grading.tasks.ch00 as t", "rms_norm = t.reference_rms_norm"], "belongs to the grader"),
     (["from minillm import model as M",
       "def helper(x, w, eps):\n    n = M.RMSNorm(x.shape[-1], eps)\n    return n(x)",
       "def rms_norm(x, w, eps=1e-5):\n    return helper(x, w, eps)"], "minillm.model.RMSNorm"),
@@ -269,7 +270,7 @@ def test_source_check_finds_an_answer_that_uses_what_already_does_the_task(cells
 def test_plain_data_crosses_back_and_nothing_else():
     import numpy as np
 
-    from minillm.grading.sandbox import _receive, _send, from_data, to_data
+    from minillm.book.grading.sandbox import _receive, _send, from_data, to_data
 
     class Sneaky(torch.Tensor):
         def __eq__(self, other):  # would make every comparison pass
@@ -297,8 +298,8 @@ def _notebook(path, *sources):
     return path
 
 
-IMPORTS = "import torch\nfrom minillm.grading import check"
-OWN_COUNT = "from minillm import metrics\ndef count_params(config):\n    return metrics.weight_bytes(config, 8)"
+IMPORTS = "import torch\nfrom minillm.book.grading import check"
+OWN_COUNT = "from minillm import arithmetic\ndef count_params(config):\n    return arithmetic.weight_bytes(config, 8)"
 BLANK_RMS = "def rms_norm(x, weight, eps=1e-5):\n    raise NotImplementedError('write it')"
 OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
     d = x.shape[-1]
@@ -317,10 +318,10 @@ FORGERIES = {
                               "print('00.rms_norm: 4/4 tests passed')"],
     "redefines_check": [BLANK_RMS, "def check(task_id, answer):\n    print(f'{task_id}: all tests passed')",
                         "check('00.rms_norm', rms_norm)"],
-    "patches_the_registry": [BLANK_RMS, "import minillm.grading.check as c\nfrom minillm.grading import get_task\n"
-                             "get_task('00.rms_norm').tests.clear()\n"
+    "patches_the_registry": [BLANK_RMS, "import minillm.book.grading.check as c\n"
+                             "from minillm.book.grading import get_task\nget_task('00.rms_norm').tests.clear()\n"
                              "c.run_task = lambda *a: None\nc.MismatchError = type('M', (Exception,), {})"],
-    "returns_the_reference": ["from minillm.grading.tasks.ch00 import reference_rms_norm",
+    "returns_the_reference": ["from minillm.book.grading.tasks.ch00 import reference_rms_norm",
                               "check('00.rms_norm', reference_rms_norm)"],
     "wraps_the_engine": ["from minillm.model import RMSNorm\ndef rms_norm(x, weight, eps=1e-5):\n"
                          "    norm = RMSNorm(x.shape[-1], eps)\n    norm.weight.data = weight.float()\n"
@@ -333,7 +334,7 @@ FORGERIES = {
 
 
 def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_path):
-    from minillm.grading.grade import grade_all
+    from minillm.book.grading.grade import grade_all
 
     paths = [_notebook(tmp_path / route / "00_the_model.ipynb", IMPORTS, OWN_ROPE, *cells,
                        "check('00.rotary', apply_rope)") for route, cells in FORGERIES.items()]
@@ -354,7 +355,7 @@ def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_pat
 
 
 def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch):
-    from minillm.grading.grade import grade_all
+    from minillm.book.grading.grade import grade_all
 
     for test in get_task("00.param_count").tests:  # a hung answer should cost seconds here, not minutes
         monkeypatch.setattr(test, "time_limit_s", 2.0)
@@ -401,7 +402,7 @@ def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch):
 
 
 def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, capsys):
-    from minillm.grading.check import TASKS
+    from minillm.book.grading.registry import TASKS
 
     book = load_book()
     chapter = book.chapter("00")
@@ -418,8 +419,9 @@ def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, c
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     (hidden / "rotary_fp64.py").write_text(
-        "import torch\nfrom minillm.grading import get_task\nfrom minillm.grading.check import expect_close\n"
-        "from minillm.grading.tasks.ch00 import reference_apply_rope\n\n"
+        "import torch\nfrom minillm.book.grading import get_task\n"
+        "from minillm.book.grading.registry import expect_close\n"
+        "from minillm.book.grading.tasks.ch00 import reference_apply_rope\n\n"
         "@get_task('00.rotary').test('keeps float64 input in float64')\n"
         "def _(fn):\n    x = torch.randn(1, 1, 3, 8, dtype=torch.float64)\n"
         "    expect_close(fn(x, torch.arange(3), 10000.0), reference_apply_rope(x, torch.arange(3)), 'fp64 rope')\n")
@@ -457,7 +459,7 @@ def test_chapter_03_mistakes_get_hints_that_fit_them():
     import dataclasses
     import math
 
-    from minillm import metrics
+    from minillm import arithmetic
 
     def copies_kv(q, k, v):  # right numbers, but G copies of the cache
         g = q.shape[1] // k.shape[1]
@@ -527,16 +529,16 @@ def test_chapter_03_mistakes_get_hints_that_fit_them():
     assert "69,120" in run_task("03.mla_bytes", latent_per_head).results[0].message
 
     def same_weights(config, gpu_memory_bytes, seq_len, kv_heads, weight_bits=16, kv_dtype_bytes=2):
-        free = gpu_memory_bytes - metrics.param_count(config) * weight_bits / 8  # the MHA model's weights
-        return {h: max(0, math.floor(free / metrics.kv_cache_bytes(dataclasses.replace(config, n_kv_heads=h),
+        free = gpu_memory_bytes - arithmetic.param_count(config) * weight_bits / 8  # the MHA model's weights
+        return {h: max(0, math.floor(free / arithmetic.kv_cache_bytes(dataclasses.replace(config, n_kv_heads=h),
                                                                    seq_len, 1, kv_dtype_bytes))) for h in kv_heads}
 
     def sets_the_callers_config(config, gpu_memory_bytes, seq_len, kv_heads, weight_bits=16, kv_dtype_bytes=2):
         out = {}
         for h in kv_heads:
             config.n_kv_heads = h
-            free = gpu_memory_bytes - metrics.param_count(config) * weight_bits / 8
-            out[h] = max(0, math.floor(free / metrics.kv_cache_bytes(config, seq_len, 1, kv_dtype_bytes)))
+            free = gpu_memory_bytes - arithmetic.param_count(config) * weight_bits / 8
+            out[h] = max(0, math.floor(free / arithmetic.kv_cache_bytes(config, seq_len, 1, kv_dtype_bytes)))
         return out
 
     by_name = {r.name: r for r in run_task("03.max_batch_gqa", same_weights).results}
@@ -609,7 +611,7 @@ def test_chapter_04_mistakes_get_hints_that_fit_them():
 
     for wrong, words in [(waste(lambda n, bs: n // bs), "round the blocks up"),
                          (waste(lambda n, bs: n // bs + 1), "multiple of block_size"),
-                         (waste(lambda n, bs: -(-n // bs), over_used=True), "not (allocated - used) / used")]:
+                         (waste(cdiv, over_used=True), "not (allocated - used) / used")]:
         result = run_task("04.kv_waste", wrong)
         failed = [r for r in result.results if not r.passed]
         assert failed and all(words in r.hint for r in failed), repr(result)
@@ -641,9 +643,6 @@ def test_chapter_04_mistakes_get_hints_that_fit_them():
 def test_chapter_05_mistakes_get_hints_that_fit_them():
     import math
 
-    def ceil_div(a, b):
-        return -(-a // b)
-
     def step(waiting_first=False, overtake=False, chunk=True, watermark=True, running_blocks=True, count_running=True,
              list_zero=False):
         def schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks, block_size, watermark_blocks):
@@ -658,15 +657,15 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
                             out.append((r["id"], 0))
                         continue
                     if running_blocks:
-                        state["free"] -= (ceil_div(r["num_computed"] + n, block_size)
-                                          - ceil_div(r["num_computed"], block_size))
+                        state["free"] -= (cdiv(r["num_computed"] + n, block_size)
+                                          - cdiv(r["num_computed"], block_size))
                     out.append((r["id"], n))
                     state["budget"] -= n
 
             def admit():
                 for r in waiting:
                     n = min(r["num_tokens"], state["budget"])
-                    needed = ceil_div(n, block_size) + (watermark_blocks if watermark else 0)
+                    needed = cdiv(n, block_size) + (watermark_blocks if watermark else 0)
                     fits = (state["seqs"] < max_num_seqs and n > 0 and needed <= state["free"]
                             and (chunk or n == r["num_tokens"]))
                     if not fits:
@@ -675,7 +674,7 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
                         break
                     out.append((r["id"], n))
                     state["budget"] -= n
-                    state["free"] -= ceil_div(n, block_size)
+                    state["free"] -= cdiv(n, block_size)
                     state["seqs"] += 1
 
             for part in ((admit, run) if waiting_first else (run, admit)):
@@ -708,7 +707,7 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
                 tokens = min(tokens, token_budget)
             if not skip_cached:
                 tokens += cached
-            needed = ceil_div(tokens, block_size) if round_up else tokens // block_size
+            needed = cdiv(tokens, block_size) if round_up else tokens // block_size
             return needed + (watermark_blocks if watermark else 0) <= free_blocks
         return can_admit
 
@@ -743,7 +742,7 @@ def test_chapter_05_mistakes_get_hints_that_fit_them():
 
     def steps(static_ideal=False, round_robin=False):
         def batching_steps(lengths, b):
-            static = (ceil_div(sum(lengths), b) if static_ideal
+            static = (cdiv(sum(lengths), b) if static_ideal
                       else sum(max(lengths[i:i + b]) for i in range(0, len(lengths), b)))
             slots = [0] * b
             for i, n in enumerate(lengths):
@@ -853,7 +852,7 @@ def test_chapter_06_mistakes_get_hints_that_fit_them():
 
     assert run_task("06.gptq_column", column()).passed
     loop = ("your step as GPTQ's inner loop on a 64 x 256 layer with correlated inputs (4 bits, groups of 64): the "
-            "layer's output error matches minillm.gptq.gptq_quantize's, far below round-to-nearest's")
+            "layer's output error matches minillm.quant.gptq.gptq_quantize's, far below round-to-nearest's")
     for wrong, words in [(column(divide=False), "divide the error by U[j, j]"), (column(sign=1), "SUBTRACT"),
                          (column(in_place=False), "in place")]:
         result = failed_hints_say("06.gptq_column", wrong, words)

@@ -34,6 +34,8 @@ from minillm.kernels import (  # noqa: E402
 )
 from minillm.kernels.rmsnorm import fused_add_rms_norm_reference  # noqa: E402
 
+from minillm.arithmetic import cdiv  # noqa: E402
+
 FA = sys.modules["minillm.kernels.flash_attention"]
 DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and not FA._interpreted():
@@ -332,7 +334,7 @@ def scatter_into_pool(k, v, lengths, block_size, spare_blocks=3, seed=0):
     non-contiguous blocks (spare blocks left full of NaN, so reading a wrong block poisons the output);
     returns the pools and the block tables [B, M] int32."""
     B, H_kv, S, D = k.shape
-    M = -(-S // block_size)
+    M = cdiv(S, block_size)
     num_blocks = B * M + spare_blocks
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     tables = order[: B * M].reshape(B, M).to(DEVICE, torch.int32)
@@ -392,7 +394,7 @@ def test_paged_decode_attention_reads_8_bit_codes_with_their_scales(shape, dtype
     the dequantised keys and values. The slots past each sequence's end get NaN scales: reading one poisons."""
     from minillm.kernels import paged_decode_attention, paged_decode_attention_reference
 
-    from minillm.kv_quant import dequantize_kv, quantize_kv
+    from minillm.quant.kv import dequantize_kv, quantize_kv
 
     B, H, H_kv, lens, D, P = shape
     q, k, v = random_decode(B, H, H_kv, max(lens), D, dtype, seed=sum(lens) + P + 1)
@@ -413,7 +415,7 @@ def test_paged_decode_attention_reads_8_bit_codes_with_their_scales(shape, dtype
 def test_paged_decode_attention_scale_mistakes_are_clear_errors():
     from minillm.kernels import paged_decode_attention
 
-    from minillm.kv_quant import quantize_kv
+    from minillm.quant.kv import quantize_kv
 
     q, k, v = random_decode(1, 4, 2, 20, 16, torch.float32, seed=3)
     k_pool, v_pool, tables = scatter_into_pool(k, v, [20], 16)
@@ -479,7 +481,7 @@ def test_paged_decode_attention_bad_inputs_say_what_to_do(case, message):
 
 def paged_decode_logits(model, prompts, device):
     """Prefill `prompts` (ragged) into a PagedKVCache, then one decode step for all: its logits [B, V]."""
-    from minillm.paging import PagedKVCache
+    from minillm.engine.kv_cache import PagedKVCache
 
     cache = PagedKVCache(model.config, num_blocks=32, block_size=16, device=device, dtype=model.dtype)
     for i, p in enumerate(prompts):
@@ -500,7 +502,7 @@ def test_model_decode_on_a_paged_cache_runs_the_paged_kernel(monkeypatch):
     from conftest import random_hf_model
 
     import minillm
-    import minillm.paging
+    import minillm.engine.kv_cache
 
     model = minillm.from_transformers(random_hf_model("llama", hidden_size=64, num_attention_heads=4,
                                                       num_key_value_heads=2))  # head_dim 16, GQA 2
@@ -510,7 +512,7 @@ def test_model_decode_on_a_paged_cache_runs_the_paged_kernel(monkeypatch):
     calls = []
     kernel = minillm.kernels.paged_decode_attention
     monkeypatch.setattr(minillm.kernels, "paged_decode_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
-    monkeypatch.setattr(minillm.paging, "use_triton_attention", lambda x, d: True)  # as on CUDA
+    monkeypatch.setattr(minillm.engine.kv_cache, "use_triton_attention", lambda x, d: True)  # as on CUDA
     got, view = paged_decode_logits(model, prompts, "cpu")
     assert view.read_pools and len(calls) == model.config.n_layers, f"paged kernel ran {len(calls)} times"
     assert calls[0][1].shape == (32, 16, 2, 16), "the kernel must get the layer's pool, not gathered keys"

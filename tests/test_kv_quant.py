@@ -1,4 +1,4 @@
-"""KV-cache quantisation, `minillm.kv_quant` and the caches' `kv_cache_dtype` option (chapter 06).
+"""KV-cache quantisation, `minillm.quant.kv` and the caches' `kv_cache_dtype` option (chapter 06).
 
 Tasks:
   1. The quantisers: int8 round trip within half a step per (token, head); fp8 (e4m3) within 2^-4 relative.
@@ -18,12 +18,12 @@ import torch
 import minillm
 from minillm import SamplingParams
 from minillm.config import ModelConfig
-from minillm.cuda_graphs import DecodeGraphs
 from minillm.engine import LLM, LLMEngine
+from minillm.engine.cuda_graphs import DecodeGraphs
+from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from minillm.kv_cache import KVCache
-from minillm.kv_quant import KV_CACHE_DTYPES, dequantize_kv, kv_bytes_per_token, quantize_kv
 from minillm.model import PagedDecode, Transformer
-from minillm.paging import PagedKVCache, num_blocks_for_memory
+from minillm.quant.kv import KV_CACHE_DTYPES, dequantize_kv, kv_bytes_per_token, quantize_kv
 
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
         "Arise, fair sun, and kill the envious moon,\nWho is already sick and pale with grief.\n")
@@ -340,9 +340,9 @@ def test_task_6_copy_block_copies_codes_and_scales():
 def test_task_7_a_quantised_paged_cache_hands_codes_and_scales_to_the_paged_kernel(monkeypatch):
     """On CUDA a decode step reads the pools in place with the paged kernel; a quantised cache's pools come with
     their scales (QuantizedPool), which the kernel dequantises as it reads (tests/test_kernels.py checks it)."""
-    from minillm.kv_quant import QuantizedPool
+    from minillm.quant.kv import QuantizedPool
 
-    monkeypatch.setattr("minillm.paging.use_triton_attention", lambda x, d: True)  # as on a CUDA GPU
+    monkeypatch.setattr("minillm.engine.kv_cache.use_triton_attention", lambda x, d: True)  # as on a CUDA GPU
     for d in KV_CACHE_DTYPES:
         cache = PagedKVCache(TINY, 4, 4, kv_cache_dtype=d)
         cache.add_sequence("a")
@@ -359,7 +359,7 @@ def test_task_7_a_quantised_paged_cache_hands_codes_and_scales_to_the_paged_kern
 
 
 def test_task_7_the_engine_captures_cuda_graphs_for_a_quantised_cache_too(monkeypatch):
-    monkeypatch.setattr("minillm.engine.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
+    monkeypatch.setattr("minillm.engine.model_runner.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
     model = Transformer(TINY)
     for d in KV_CACHE_DTYPES:
         assert LLMEngine(model, num_blocks=8, kv_cache_dtype=d).use_cuda_graphs
@@ -395,7 +395,7 @@ def test_task_8_generate_n_runs_on_a_quantised_cache(shipped, engine_caches):
 
 
 def test_task_8_constrained_decoding_runs_on_a_quantised_cache(shipped, engine_caches):
-    from minillm.constrained import generate_constrained
+    from minillm.generate import generate_constrained
 
     model, tokenizer = shipped
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -424,7 +424,7 @@ def test_task_8_beam_search_runs_on_a_quantised_cache(shipped):
 @pytest.mark.parametrize("call", ["generate_n", "constrained", "beam"])
 def test_task_8_a_bad_kv_cache_dtype_is_a_clear_error_everywhere(shipped, call):
     from minillm.beam import beam_search
-    from minillm.constrained import generate_constrained
+    from minillm.generate import generate_constrained
     from minillm.parallel_sampling import generate_n
 
     model, tokenizer = shipped

@@ -1,4 +1,4 @@
-"""minillm.notebook, the chapters' helper module: set-up, timing, results files, paths, op counts."""
+"""minillm.book.notebook, the chapters' helper module: set-up, timing, results files, paths, op counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from minillm import notebook
+from minillm.book import notebook
 
 
 def test_median_time_returns_the_median_of_the_timed_calls(monkeypatch):
@@ -67,7 +67,7 @@ def test_every_committed_results_file_names_an_existing_benchmark():
 
 
 def test_repo_relative_gives_a_posix_path_inside_the_repository_and_refuses_outside(tmp_path):
-    assert notebook.repo_relative(notebook.REPO_ROOT / "minillm" / "notebook.py") == "minillm/notebook.py"
+    assert notebook.repo_relative(notebook.REPO_ROOT / "minillm" / "book" / "notebook.py") == "minillm/book/notebook.py"
     assert notebook.repo_relative(notebook.REPO_ROOT / "minillm" / ".." / "book.yml") == "book.yml"
     with pytest.raises(ValueError, match="not inside the minillm repository"):
         notebook.repo_relative(tmp_path / "elsewhere.txt")

@@ -1,4 +1,4 @@
-"""The paged KV cache of chapter 04, `minillm.paging`: allocator, prefix cache, copy-on-write, the model on it.
+"""The paged KV cache of chapter 04, `minillm.engine.kv_cache`: allocator, prefix cache, copy-on-write, the model on it.
 
 Tasks:
   1. BlockAllocator: allocate / free / fork with reference counts, copy-on-write, NoFreeBlocksError.
@@ -19,20 +19,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from minillm.kernels import gather_kv
 
 import minillm
 from minillm import SamplingParams
 from minillm.config import ModelConfig
+from minillm.engine.block_manager import PAD_SLOT, BlockAllocator, NoFreeBlocksError, block_hash, prefix_block_hashes
+from minillm.engine.kv_cache import PagedKVCache
 from minillm.kv_cache import KVCache
-from minillm.paging import (
-    PAD_SLOT,
-    BlockAllocator,
-    NoFreeBlocksError,
-    PagedKVCache,
-    block_hash,
-    gather_kv,
-    prefix_block_hashes,
-)
 
 # A cache-only config for the tests that drive the cache without a model: 2 layers, 2 KV heads of 2.
 TINY = ModelConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=2, ffn_dim=8, vocab_size=8)

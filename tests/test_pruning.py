@@ -9,10 +9,10 @@ import torch
 
 import minillm
 from minillm import ModelConfig, Transformer
-from minillm.calibration import calibration_ids, capture_inputs, validation_ids
 from minillm.eval import perplexity
 from minillm.pruning import magnitude_prune, prune, prune_2_4, sparsity_of, wanda_scores
 from minillm.quant import block_linears, quantize
+from minillm.quant.calibration import calibration_ids, capture_inputs, validation_ids
 from minillm.train import init_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: small models run on one thread

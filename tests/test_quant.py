@@ -1,4 +1,4 @@
-"""minillm.quant, gptq, awq, smoothquant and calibration (chapter 06): fewer bits, bounded error.
+"""minillm.quant: formats, QuantLinear, calibration, gptq, awq, smoothquant (chapter 06): fewer bits, bounded error.
 
 Each format is checked against its own error bound on random matrices (hypothesis): integers within half
 a step of their group's scale, NF4 on QLoRA's published code book, FP8 within its mantissa's relative
@@ -22,10 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import minillm
-from minillm.awq import awq_scale_search
-from minillm.calibration import blocks_in_order, calibration_ids, capture_inputs, sample_text, validation_ids
 from minillm.eval import perplexity
-from minillm.gptq import gptq_quantize, hessian, inverse_hessian_factor, quantize_column
 from minillm.quant import (
     NF4_CODEBOOK,
     QuantLinear,
@@ -42,10 +39,13 @@ from minillm.quant import (
     quantize_nf4,
     quantize_per_token,
     quantize_weight,
+    stored_weight_bytes,
     unpack_int4,
-    weight_bytes,
 )
-from minillm.smoothquant import activation_absmax, smoothing_scales
+from minillm.quant.awq import awq_scale_search
+from minillm.quant.calibration import blocks_in_order, calibration_ids, capture_inputs, sample_text, validation_ids
+from minillm.quant.gptq import gptq_quantize, hessian, inverse_hessian_factor, quantize_column
+from minillm.quant.smoothquant import activation_absmax, smoothing_scales
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 GREEDY = minillm.SamplingParams(temperature=0, max_tokens=20)
@@ -623,7 +623,7 @@ def test_task_9_activation_absmax_matches_captured_inputs(shipped):
 
 # --------------------------------------------------------------------------------------- the whole model
 def expected_bytes(model: nn.Module, per_linear) -> int:
-    """weight_bytes after replacing each block linear [out, in] by per_linear(out, in) bytes, from the shapes alone."""
+    """stored_weight_bytes after replacing each block linear [out, in] by per_linear(out, in) bytes, from the shapes."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied lm_head counted once
     linears = block_linears(model).values()
     return dense - sum(4 * m.weight.numel() for m in linears) + sum(per_linear(*m.weight.shape) for m in linears)
@@ -646,7 +646,7 @@ def test_task_10_quantize_replaces_every_block_linear(shipped, kwargs, per_linea
     model = copy.deepcopy(original)
     names = list(block_linears(original))
     assert len(names) == 4 * original.config.n_layers
-    fp32_bytes = weight_bytes(model)
+    fp32_bytes = stored_weight_bytes(model)
     assert fp32_bytes == 4 * sum(p.numel() for p in original.parameters())
     assert quantize(model, "rtn", **kwargs) is model
     for name in names:
@@ -655,7 +655,7 @@ def test_task_10_quantize_replaces_every_block_linear(shipped, kwargs, per_linea
     assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding
     assert torch.equal(model.embed_tokens.weight, original.embed_tokens.weight), "the embedding stays in fp32"
     assert model.lm_head.weight is model.embed_tokens.weight, "the lm_head stays tied to the embedding"
-    got = weight_bytes(model)
+    got = stored_weight_bytes(model)
     assert got == expected_bytes(original, per_linear), f"{kwargs}: {got} bytes"
     assert got < fp32_bytes
 
@@ -687,7 +687,7 @@ def test_task_10_calibrated_methods_on_the_model(shipped, val_ids, fp32_ppl):
     model, tok = shipped
     ids = calibration_ids(tok, n_seqs=4, seq_len=128)
     names = list(block_linears(model))
-    int4_bytes = weight_bytes(quantize(copy.deepcopy(model), "rtn", 4))
+    int4_bytes = stored_weight_bytes(quantize(copy.deepcopy(model), "rtn", 4))
     first_block = blocks_in_order(model)[0]
     inputs = capture_inputs(model, ids, first_block)
 
@@ -705,7 +705,7 @@ def test_task_10_calibrated_methods_on_the_model(shipped, val_ids, fp32_ppl):
         layers = [q.get_submodule(n) for n in names]
         assert all(isinstance(m, QuantLinear) for m in layers), f"{method} must replace every block linear"
         if method == "gptq":
-            assert weight_bytes(q) == int4_bytes, "GPTQ stores the same format as int4 RTN"
+            assert stored_weight_bytes(q) == int4_bytes, "GPTQ stores the same format as int4 RTN"
             for name, (err, rtn_err) in first_block_errors(q).items():
                 assert err < 0.7 * rtn_err, f"GPTQ {name}: output error {err:.3f}, RTN's {rtn_err:.3f}"
         if method == "awq":

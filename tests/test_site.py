@@ -1,4 +1,4 @@
-"""The HTML book, checked in a real browser: `minillm.site.build_site`, served locally, driven by Chromium.
+"""The HTML book, checked in a real browser: `minillm.book.site.build_site`, served locally, driven by Chromium.
 
 Two books are built once each (module-scoped fixtures) and served from 127.0.0.1:
 
@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from minillm.book import REPO_ROOT, load_book
-from minillm.site import MATHJAX_VERSION, SiteError, build_site, written_drills
+from minillm.book.site import MATHJAX_VERSION, SiteError, build_site, written_drills
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -445,8 +445,8 @@ def runs_of(counter: Path) -> list[str]:
 
 @pytest.fixture
 def engine(tmp_path, monkeypatch) -> Path:
-    """A stand-in for the engine's files (`minillm.site.ENGINE`), which only the test changes."""
-    from minillm import site
+    """A stand-in for the engine's files (`minillm.book.site.ENGINE`), which only the test changes."""
+    from minillm.book import site
 
     folder = tmp_path / "engine"
     (folder / "__pycache__").mkdir(parents=True)
@@ -477,7 +477,7 @@ def test_second_build_reruns_only_what_changed(tmp_path, build_tools, engine):
 
 def test_engine_change_reruns(tmp_path, engine):
     """A notebook re-runs when a file of the engine changes, not when Python writes bytecode beside it."""
-    from minillm import site
+    from minillm.book import site
 
     counter = tmp_path / "runs.txt"
     write_counting_book(tmp_path / "book", counter)
@@ -511,11 +511,11 @@ def test_failing_notebook_fails_the_build_by_name_and_caches_nothing(tmp_path):
 
 
 def test_execute_sources_saves_outputs_in_place(tmp_path, capsys):
-    """The authors' command: `python -m minillm.site --execute-sources` runs the chapters and solutions
+    """The authors' command: `python -m minillm.book.site --execute-sources` runs the chapters and solutions
     in place and saves their outputs; exercises are left alone, and no site is built."""
     import nbformat
 
-    from minillm.site import main
+    from minillm.book.site import main
 
     counter = tmp_path / "runs.txt"
     book = write_counting_book(tmp_path, counter)
@@ -532,7 +532,7 @@ def test_execute_sources_saves_outputs_in_place(tmp_path, capsys):
 
 def test_mathjax_is_cached(tmp_path, fixture_site, monkeypatch):
     """A second fetch finds MathJax in the cache and does not call npm."""
-    from minillm import site
+    from minillm.book import site
 
     monkeypatch.setattr(site.shutil, "which", lambda *a, **k: pytest.fail("npm was called with MathJax cached"))
     assert (site.fetch_mathjax(CACHE) / "tex-chtml.js").is_file()

@@ -18,9 +18,11 @@ import torch
 
 import minillm
 from minillm import speculative
+from minillm.arithmetic import cdiv
 from minillm.engine import LLM
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.model_runner import paged_forward
 from minillm.eval import chi_squared_test
-from minillm.paging import PagedKVCache, paged_forward
 from minillm.sampling import SamplingParams
 from minillm.speculative import (
     Draft,
@@ -198,12 +200,12 @@ def test_rollback_leaves_the_cache_as_a_fresh_one(target, draft):
     rid = engine.add_request(None, PROMPT, SamplingParams(temperature=0, max_tokens=60))
     for _ in range(6):
         engine.step()
-    request = engine.scheduler.requests[rid]
+    request = engine.scheduler.sequences[rid]
     assert engine.spec_stats.num_proposed > engine.spec_stats.num_accepted  # some drafts were rolled back
     n = request.num_computed_tokens
     table = engine.cache.block_tables[rid]
     assert table.token_ids == request.all_token_ids[:n]
-    assert len(table.block_ids) == -(-n // engine.cache.block_size)
+    assert len(table.block_ids) == cdiv(n, engine.cache.block_size)
     fresh = PagedKVCache(model.config, 40, enable_prefix_caching=False)
     fresh.add_sequence("f")
     paged_forward(model, fresh, ["f"], [request.all_token_ids[:n]])
@@ -284,7 +286,7 @@ def test_shipped_models_speculative_distribution(target, draft, monkeypatch, wro
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
     exact = _pair_distribution(model, ids, params)
     if wrong:
-        monkeypatch.setattr("minillm.engine.verify", accept_always)
+        monkeypatch.setattr("minillm.speculative.verify", accept_always)
     pairs = _engine_pairs(model, tok, draft, ids, params, trials=1200)
     support = sorted(exact)
     index = {pair: i for i, pair in enumerate(support)}

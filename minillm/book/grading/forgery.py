@@ -1,0 +1,228 @@
+"""Reading a notebook's source for answers that are not the reader's own (all chapters, `minillm grade`).
+
+An exercise asks for a function the engine already has. `minillm grade` gives no credit to an
+answer that *is* the engine's function, or calls it. It looks twice:
+
+1. here, in the notebook's text, which the notebook cannot change while it runs: which name each
+   `check("NN.task", answer)` hands in, where that name is bound (`def`, `lambda`, assignment,
+   import), and every dotted name that binding and the notebook functions it uses refer to,
+   resolved through the notebook's imports ("S.top_p_filter" after `from minillm import sampling
+   as S` is "minillm.sampling.top_p_filter");
+2. in the sandbox, while the tests call the answer, a profiler notes every call of a forbidden
+   function however it was reached (`getattr` on a string, say); see `minillm.book.grading.sandbox`.
+
+Names are compared by the objects they resolve to, so a re-export (`minillm.load` and
+`minillm.checkpoints.load`) is the same name.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+GRADER_PACKAGE = "minillm.book.grading"  # holds the grader's own answers: an answer may not use it...
+ALLOWED_GRADER_NAMES = {"minillm.book.grading.check", "minillm.book.grading.check.check"}  # ...except `check` itself
+
+
+@dataclass
+class NotebookSource:
+    """A notebook's code, parsed: imports, bindings, and the answer each `check` call hands in.
+
+    imports:  local name -> the dotted path it stands for ("S" -> "minillm.sampling")
+    bindings: local name -> every node that binds it (FunctionDef, ClassDef, Lambda or an assigned value)
+    checked:  task id -> the source of the last `check(task_id, <answer>)` call's answer
+    unparsed: cells that are not valid Python (reported, and skipped)
+    """
+
+    imports: dict[str, str] = field(default_factory=dict)
+    bindings: dict[str, list[ast.AST]] = field(default_factory=dict)
+    checked: dict[str, str] = field(default_factory=dict)
+    unparsed: list[int] = field(default_factory=list)
+
+
+def read_source(cells: list[str]) -> NotebookSource:
+    """Parse the code cells (IPython magics turned into Python first)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    transform = TransformerManager().transform_cell
+    src = NotebookSource()
+    for number, cell in enumerate(cells, 1):
+        try:
+            tree = ast.parse(transform(cell))
+        except SyntaxError:
+            src.unparsed.append(number)
+            continue
+        for node in ast.walk(tree):  # imports anywhere (one inside a function counts too), check calls
+            _record_import_or_check(node, src)
+        for statement in tree.body:
+            _record_bindings(statement, src)
+    return src
+
+
+def _record_import_or_check(node: ast.AST, src: NotebookSource) -> None:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.asname:
+                src.imports[alias.asname] = alias.name
+            else:
+                top = alias.name.split(".")[0]
+                src.imports[top] = top
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        for alias in node.names:
+            src.imports[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    elif isinstance(node, ast.Call) and _called_name(node.func) == "check" and len(node.args) >= 2:
+        task = node.args[0]
+        if isinstance(task, ast.Constant) and isinstance(task.value, str):
+            src.checked[task.value] = ast.unparse(node.args[1])
+
+
+def _record_bindings(node: ast.AST, src: NotebookSource) -> None:
+    """Module-level bindings of one statement (not the locals inside function bodies)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        src.bindings.setdefault(node.name, []).append(node)
+        return
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name):
+                    src.bindings.setdefault(name.id, []).append(node.value)
+    for child in ast.iter_child_nodes(node):  # if / for / with / try blocks at the top level
+        if isinstance(child, ast.stmt):
+            _record_bindings(child, src)
+
+
+def _local_names(node: ast.AST) -> set[str]:
+    """Parameters and names assigned inside a function or lambda (they shadow the notebook's globals)."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        return set()
+    args = node.args
+    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+            names.add(child.id)
+    return names
+
+
+def _called_name(func: ast.AST) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """"a.b.c" for a Name/Attribute chain, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """The outermost dotted names a node refers to ("sampling.top_p_filter", "helper", "torch.softmax")."""
+    found: set[str] = set()
+
+    def visit(n: ast.AST) -> None:
+        dotted = _dotted(n) if isinstance(n, (ast.Attribute, ast.Name)) else None
+        if dotted is not None:
+            found.add(dotted)
+            return
+        for child in ast.iter_child_nodes(n):
+            visit(child)
+
+    visit(node)
+    return found
+
+
+def reached_names(src: NotebookSource, expression: str, max_depth: int = 12) -> set[str]:
+    """Every dotted path outside the notebook that the answer `expression` refers to, directly or
+    through the notebook's own functions, classes and assignments (resolved through its imports)."""
+    try:
+        start = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        return set()
+    reached: set[str] = set()
+    seen: set[str] = set()
+    frontier: list[tuple[ast.AST, int]] = [(start, 0)]
+    while frontier:
+        node, depth = frontier.pop()
+        local = _local_names(node)
+        for dotted in _names_in(node):
+            head, _, rest = dotted.partition(".")
+            if head in local:
+                continue
+            if head in src.imports:
+                reached.add(src.imports[head] + (f".{rest}" if rest else ""))
+            elif head in src.bindings and head not in seen and depth < max_depth:
+                seen.add(head)
+                frontier.extend((b, depth + 1) for b in src.bindings[head])
+    return reached
+
+
+def defines(src: NotebookSource, expression: str) -> bool:
+    """Whether the notebook's text binds the answer (a `def`, class, assignment or import of its name;
+    an answer written inline in the `check` call, such as a lambda, binds itself)."""
+    try:
+        node = ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        return False
+    dotted = _dotted(node)
+    if dotted is None:
+        return True
+    head = dotted.split(".")[0]
+    return head in src.bindings or head in src.imports
+
+
+def resolve(dotted: str) -> Any:
+    """The object a dotted path names, importing its module (None if it does not exist)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except Exception:  # noqa: BLE001 - not a module (or one that fails to import): try a shorter prefix
+            continue
+        try:
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def forbidden_callables(forbidden: tuple[str, ...] | list[str]) -> list[tuple[str, Any]]:
+    """(dotted path, callable) for everything the paths forbid: a function itself, or every method of
+    a class (a property by its getter, a static or class method by its function). Paths that do not
+    resolve are skipped. Shared by the source check here and the sandbox's call watcher."""
+    found = []
+    for name in forbidden:
+        obj = resolve(name)
+        for member in (vars(obj).values() if isinstance(obj, type) else [obj]):
+            member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if callable(member):
+                found.append((name, member))
+    return found
+
+
+def forbidden_use(src: NotebookSource, expression: str, forbidden: tuple[str, ...]) -> str | None:
+    """Why the answer is not the reader's own (None if its source uses nothing forbidden).
+
+    forbidden: dotted paths of functions and classes that do the task; a class forbids its methods.
+    """
+    targets = {id(resolve(name)): name for name in forbidden if resolve(name) is not None}
+    targets.update({id(fn): name for name, fn in forbidden_callables(forbidden)})
+    for dotted in sorted(reached_names(src, expression)):
+        if dotted.startswith(GRADER_PACKAGE) and dotted not in ALLOWED_GRADER_NAMES:
+            return f"it uses {dotted}, which belongs to the grader"
+        obj = resolve(dotted)
+        key = id(getattr(obj, "__func__", obj))
+        if obj is not None and key in targets:
+            return f"it uses {dotted} ({targets[key]}), which already does the task"
+    return None

@@ -1,0 +1,244 @@
+"""A regular expression compiled to a minimal DFA over bytes: `RegexDFA` (chapter 01).
+
+    syntax tree ─ Thompson ─► NFA over bytes ─ subsets ─► DFA ─ prune dead states, minimise ─► RegexDFA
+
+The syntax tree comes from `minillm.constrained.regex`. A RegexDFA is a table [states, 256] of the next
+state for every byte; DEAD marks the strings that can no longer be completed into a match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from minillm.constrained.regex import Alt, Chars, Concat, Node, Repeat, parse_regex, utf8_sequences
+
+DEAD = -1  # the state of every string that can no longer be completed into a match
+MAX_DFA_STATES = 20_000
+
+
+# ====================================================================== Thompson: syntax tree -> NFA over bytes
+class NFA:
+    """A nondeterministic automaton over bytes with one start and one accepting state.
+
+    `edges[s]` holds (lo, hi, target): from s, any byte in lo..hi leads to target. `eps[s]` lists the
+    states s reaches without reading a byte. Thompson's construction gives every node a fragment
+    (start, end) and glues fragments with epsilon edges.
+    """
+
+    def __init__(self, tree: Node) -> None:
+        self.edges: list[list[tuple[int, int, int]]] = []
+        self.eps: list[list[int]] = []
+        self.start, self.accept = self.build(tree)
+
+    def new_state(self) -> int:
+        self.edges.append([])
+        self.eps.append([])
+        return len(self.edges) - 1
+
+    def build(self, node: Node) -> tuple[int, int]:
+        """Add the fragment of `node`; return its (start, end) states."""
+        if isinstance(node, Chars):
+            return self.build_chars(node)
+        if isinstance(node, Concat):
+            return self.build_concat([self.build(part) for part in node.parts])
+        if isinstance(node, Alt):
+            start, end = self.new_state(), self.new_state()
+            for option in node.options:
+                s, e = self.build(option)
+                self.eps[start].append(s)
+                self.eps[e].append(end)
+            return start, end
+        return self.build_repeat(node)
+
+    def build_chars(self, node: Chars) -> tuple[int, int]:
+        """One code point of the set = one of its UTF-8 byte-range sequences, a chain of edges each."""
+        start, end = self.new_state(), self.new_state()
+        for lo, hi in node.ranges:
+            for sequence in utf8_sequences(lo, hi):
+                state = start
+                for i, (b_lo, b_hi) in enumerate(sequence):
+                    target = end if i == len(sequence) - 1 else self.new_state()
+                    self.edges[state].append((b_lo, b_hi, target))
+                    state = target
+        return start, end
+
+    def build_concat(self, fragments: list[tuple[int, int]]) -> tuple[int, int]:
+        if not fragments:
+            state = self.new_state()
+            return state, state
+        for (_, end), (start, _) in zip(fragments, fragments[1:]):
+            self.eps[end].append(start)
+        return fragments[0][0], fragments[-1][1]
+
+    def build_repeat(self, node: Repeat) -> tuple[int, int]:
+        """x{m,n} = m copies of x, then n-m optional copies (each may skip to the end); x{m,} ends in x*."""
+        fragments = [self.build(node.node) for _ in range(node.lo)]
+        start, end = self.build_concat(fragments)
+        exit_ = self.new_state()
+        if node.hi is None:  # a loop: x* after the mandatory copies
+            s, e = self.build(node.node)
+            self.eps[end].extend([s, exit_])
+            self.eps[e].extend([s, exit_])
+            return start, exit_
+        for _ in range(node.hi - node.lo):
+            s, e = self.build(node.node)
+            self.eps[end].extend([s, exit_])
+            end = e
+        self.eps[end].append(exit_)
+        return start, exit_
+
+    def closure(self, states: Iterable[int]) -> frozenset[int]:
+        """Every state reachable from `states` by epsilon edges alone."""
+        seen, stack = set(states), list(states)
+        while stack:
+            for t in self.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(seen)
+
+    def byte_classes(self) -> np.ndarray:
+        """class_of[b] for the 256 bytes: bytes no edge tells apart share a class. [256] int."""
+        cuts = {0, 256}
+        for edges in self.edges:
+            for lo, hi, _ in edges:
+                cuts.update((lo, hi + 1))
+        return np.searchsorted(np.array(sorted(cuts)), np.arange(256), side="right") - 1
+
+
+# ====================================================================== subset construction: NFA -> DFA
+def determinise(nfa: NFA) -> tuple[np.ndarray, np.ndarray]:
+    """Subset construction. Returns transitions [S, 256] (DEAD where no NFA state survives) and
+    accepting [S] bool; DFA state 0 is the start. Each DFA state is a set of NFA states."""
+    class_of = nfa.byte_classes()
+    n_classes = int(class_of.max()) + 1
+    start = nfa.closure([nfa.start])
+    ids = {start: 0}
+    todo, rows = [start], []
+    while todo:
+        subset = todo.pop()
+        targets: list[set[int]] = [set() for _ in range(n_classes)]
+        for s in subset:
+            for lo, hi, t in nfa.edges[s]:
+                for c in range(class_of[lo], class_of[hi] + 1):
+                    targets[c].add(t)
+        row = []
+        for moved in targets:
+            nxt = nfa.closure(moved) if moved else None
+            if nxt is not None and nxt not in ids:
+                if len(ids) >= MAX_DFA_STATES:
+                    raise ValueError(f"the pattern's DFA exceeds {MAX_DFA_STATES} states; simplify it.")
+                ids[nxt] = len(ids)
+                todo.append(nxt)
+            row.append(DEAD if nxt is None else ids[nxt])
+        rows.append((ids[subset], row))
+    table = np.full((len(ids), n_classes), DEAD, dtype=np.int64)
+    for state, row in rows:
+        table[state] = row
+    accepting = np.zeros(len(ids), dtype=bool)
+    for subset, state in ids.items():
+        accepting[state] = nfa.accept in subset
+    return table[:, class_of], accepting
+
+
+def prune_dead(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Send every state that cannot reach an accepting state to DEAD and drop it; renumber in
+    breadth-first order from the start (state 0). After this, DEAD is the only dead end."""
+    src, byte = np.nonzero(table >= 0)
+    predecessors: list[set[int]] = [set() for _ in range(len(table))]
+    for s, t in zip(src.tolist(), table[src, byte].tolist()):
+        predecessors[t].add(s)
+    live = accepting.copy()
+    stack = np.flatnonzero(accepting).tolist()
+    while stack:  # walk the edges backwards from the accepting states
+        for s in predecessors[stack.pop()]:
+            if not live[s]:
+                live[s] = True
+                stack.append(s)
+    if not live[0]:
+        raise ValueError("the pattern matches no string at all (e.g. an empty class like [^\\s\\S]).")
+    table = np.where((table >= 0) & live[np.maximum(table, 0)], table, DEAD)
+    return renumber(table, accepting)
+
+
+def renumber(table: np.ndarray, accepting: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the states reachable from `start`, numbered in breadth-first order (start becomes 0)."""
+    order, index = [start], {start: 0}
+    for state in order:
+        for t in table[state].tolist():
+            if t >= 0 and t not in index:
+                index[t] = len(order)
+                order.append(t)
+    mapping = np.full(len(table) + 1, DEAD, dtype=np.int64)  # mapping[DEAD] stays DEAD
+    for old, new in index.items():
+        mapping[old] = new
+    return mapping[table[order]], accepting[order]
+
+
+def minimise(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's partition refinement: merge states no input string can tell apart.
+
+    Start from two blocks (accepting or not); split a block whenever two of its states move, on some
+    byte, into different blocks. When no block splits, each block is one state of the minimal DFA.
+    Bytes that every state treats alike (the same column of the table) need checking only once.
+    """
+    columns = np.unique(table, axis=1)  # [S, distinct bytes]
+    block = accepting.astype(np.int64)
+    n_blocks = len(set(block.tolist()))
+    while True:
+        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], DEAD)  # the block each byte leads to
+        signatures: dict[tuple, int] = {}  # (own block, target blocks) -> new block id
+        rows = np.concatenate([block[:, None], moved], axis=1).tolist()
+        block = np.array([signatures.setdefault(tuple(row), len(signatures)) for row in rows])
+        if len(signatures) == n_blocks:  # refining only splits blocks: same count = nothing split
+            break
+        n_blocks = len(signatures)
+    first = np.unique(block, return_index=True)[1]  # one representative state per block
+    merged = np.where(table[first] >= 0, block[np.maximum(table[first], 0)], DEAD)  # [blocks, 256]
+    return renumber(merged, accepting[first], start=int(block[0]))
+
+
+class RegexDFA:
+    """A regular expression compiled to a minimal DFA over bytes (full-match semantics).
+
+    transitions: [n_states, 256] int64, the next state for each byte, DEAD (-1) when the string can no
+    longer become a match; accepting: [n_states] bool. Every non-DEAD state can still reach a match.
+
+    Example:
+        >>> dfa = RegexDFA(r"-?\\d+(\\.\\d+)?")
+        >>> dfa.matches("-3.14"), dfa.matches("3."), dfa.n_states
+        (True, False, 5)
+    """
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        table, accepting = determinise(NFA(parse_regex(pattern)))
+        self.transitions, self.accepting = minimise(*prune_dead(table, accepting))
+        self._rows = self.transitions.tolist()  # plain lists: fast stepping from Python
+        self.start = 0
+
+    @property
+    def n_states(self) -> int:
+        return len(self.transitions)
+
+    def step(self, state: int, byte: int) -> int:
+        """The state after reading one byte (DEAD stays DEAD)."""
+        return DEAD if state == DEAD else self._rows[state][byte]
+
+    def walk(self, state: int, data: bytes) -> int:
+        """The state after reading `data` from `state`; DEAD as soon as no match is possible."""
+        for byte in data:
+            state = self._rows[state][byte]
+            if state == DEAD:
+                break
+        return state
+
+    def is_accepting(self, state: int) -> bool:
+        return state != DEAD and bool(self.accepting[state])
+
+    def matches(self, text: str | bytes) -> bool:
+        """Whether the whole of `text` (a str is encoded as UTF-8) matches the pattern."""
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return self.is_accepting(self.walk(self.start, data))

@@ -1,0 +1,16 @@
+"""The serving engine (chapters 04-05), in the order a request flows through it:
+
+    sequence.py       Sequence: one completion's whole state (tokens, params, generator, text, stop and DFA state)
+    scheduler.py      Scheduler: which sequences run in the next forward, and how many of their tokens
+    block_manager.py  BlockAllocator, BlockTable, prefix-cache hashes: which block holds what (no tensors)
+    kv_cache.py       PagedKVCache: the pools; StepInputs: a step's inputs, built once; PagedCacheView
+    model_runner.py   ModelRunner: the one place a step runs the model (eager or CUDA graphs) and samples
+    cuda_graphs.py    DecodeGraphs: decode steps captured once and replayed
+    llm_engine.py     LLMEngine: step = schedule -> run -> postprocess; LLM: offline batch inference
+
+    from minillm.engine import LLM, LLMEngine
+"""
+
+from minillm.engine.llm_engine import LLM, LLMEngine, RequestOutput, n_best_by_logprob
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "n_best_by_logprob"]

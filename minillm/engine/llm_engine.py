@@ -1,0 +1,391 @@
+"""The engine: continuous batching of many requests over one paged KV cache (chapter 05).
+
+`LLMEngine` is the loop a server runs. Requests arrive at any time (`add_request`); each `step()`
+asks the `Scheduler` which sequences run and how many of their tokens, has the `ModelRunner` run the
+model over all of them (prompt chunks and decode tokens, on the `PagedKVCache` of chapter 04) and
+sample one token for every sequence whose prompt is complete, each with its own `SamplingParams`,
+then applies the stop rules and returns what each sequence gained in this step (a streaming delta):
+
+    step ──► scheduler.schedule()              who runs, how many tokens each (token budget, free blocks)
+         ──► model_runner.forward(ids, tokens) the step's inputs (block tables, slots), the forward:
+                                               decodes [D, 1] (a CUDA graph on the GPU), prompt chunks [P, T]
+         ──► model_runner.sample(seqs, logits) each row with its own params, generator and constraint
+         ──► seq.append_token(...)             stop rules (EOS, stop strings, the pattern, max_tokens);
+                                               finished sequences free their blocks
+
+Everything about one sequence (tokens, params, generator, text, stop and DFA state) is its
+`minillm.engine.sequence.Sequence`; the engine keeps no other per-sequence state.
+
+`LLM(model).generate(prompts, params)` runs the engine to the end over a list of prompts (offline
+batch inference, with a progress bar). Names follow vLLM: `LLMEngine.add_request / step /
+abort_request / has_unfinished_requests`, `LLM.generate`, `SamplingParams`, `RequestOutput`.
+
+A request may ask for several completions (`SamplingParams(n, best_of)`): its prompt is prefilled
+once, then forked into best_of sequences that share the prompt's blocks (copy-on-write, chapter 04):
+Sequences of one request, indices 0 .. best_of - 1; their outputs carry the request's id and their
+`index`. A request may also carry a constraint (a `TokenIndex` of a regex or JSON schema, chapter 01):
+its logits are masked to the tokens the pattern allows at every step.
+
+`minillm.generate` (one request), `minillm.generate_n` (n completions of one prompt) and
+`minillm.generate.generate_constrained` all run on this engine: there is one generation loop.
+With `speculative=SpeculativeConfig(drafter, k)` (chapter 07) the decode rows of a step are a variant
+of it: the drafter proposes up to k tokens per row, one target forward scores them all, the verify
+rule keeps some, and the rejected positions are rolled back in the cache
+(`ModelRunner.speculative_decode`). Beam search (`minillm.beam`) keeps its own loop on the same paged
+cache and forward, because its step is a global choice among the beams, not one token sampled per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.arithmetic import kv_blocks
+from minillm.constrained import TokenIndex, masks_for
+from minillm.engine.block_manager import BLOCK_SIZE
+from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
+from minillm.engine.model_runner import ModelRunner, SampledTokens
+from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.engine.sequence import Constraint, default_eos_ids, prepare_prompt
+from minillm.engine.sequence import Sequence as Seq
+from minillm.model import Transformer
+from minillm.quant.kv import check_kv_cache_dtype
+from minillm.sampling import SamplingParams
+from minillm.speculative import SpeculativeConfig, SpeculativeStats
+from minillm.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A request's output after a step: everything generated so far, and what this step added.
+
+    new_token_ids / new_text are the step's delta (what a streaming server sends); token_ids / text
+    the whole completion so far. text is None without a tokenizer. token_times_s count from the
+    request's arrival: token_times_s[0] is its time to first token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    token_times_s: list[float] = field(repr=False, default_factory=list)
+    logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
+    top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
+    num_preemptions: int = 0
+    index: int = 0  # which of the request's best_of sequences (0 unless n > 1); it samples with seed + index
+    cumulative_logprob: float = 0.0  # the sum of its tokens' log-probabilities (best_of keeps the n highest)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] if self.token_times_s else float("nan")
+
+
+class LLMEngine:
+    """Serve many requests at once with continuous batching, chunked prefill and a paged KV cache (chapter 05).
+
+    Args:
+        model: the model (its device and dtype are the cache's).
+        tokenizer: encodes text prompts, decodes outputs, matches stop strings (optional with token ids).
+        num_blocks: KV blocks in the pool; default: as many as kv_cache_memory_bytes holds, else
+            max_num_seqs sequences of the model's full context.
+        block_size: tokens per block (16, vLLM's default).
+        kv_cache_dtype: what the KV cache stores (chapter 06, `minillm.quant.kv`; vLLM's option of the same
+            name): "auto" (the model's dtype, the default), "int8" or "fp8" (e4m3), each with one fp32 scale per
+            (token, head). 8-bit halves the bytes per token (roughly), so the same memory holds ~2x the blocks.
+            On CUDA the paged Triton decode kernel reads the 8-bit codes and their scales directly, CUDA graphs
+            included (elsewhere attention reads the cache gathered and dequantised).
+        kv_cache_memory_bytes: size the pool to this many bytes instead of giving num_blocks (vLLM's option of
+            the same name): `minillm.engine.kv_cache.num_blocks_for_memory` at this block_size and kv_cache_dtype.
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's budgets (see
+            `minillm.engine.scheduler.Scheduler`).
+        enable_prefix_caching: reuse cached full blocks of earlier prompts (chapter 04).
+        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured at the
+            first decode step for every batch size up to max_num_seqs. Default: on wherever they can run
+            (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
+            capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
+            forwards score several tokens per row).
+        speculative: draft and verify decode tokens (`minillm.speculative.SpeculativeConfig`, chapter 07);
+            `spec_stats` counts what was proposed and accepted.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None = None,
+        num_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
+        speculative: SpeculativeConfig | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory_bytes: float | None = None,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.speculative = speculative
+        self.spec_stats = SpeculativeStats()
+        check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_memory_bytes is not None:
+            if num_blocks is not None:
+                raise ValueError(f"got num_blocks={num_blocks} and kv_cache_memory_bytes={kv_cache_memory_bytes}: "
+                                 "size the KV pool one way, in blocks or in bytes.")
+            num_blocks = num_blocks_for_memory(model.config, kv_cache_memory_bytes, block_size, model.dtype,
+                                               kv_cache_dtype)
+        if num_blocks is None:
+            num_blocks = max_num_seqs * kv_blocks(model.config.max_seq_len, block_size)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
+                                  enable_prefix_caching, kv_cache_dtype)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        no_graphs = "speculative decoding is on (its verify forwards are not captured)" if speculative else None
+        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs)
+        self.eos = default_eos_ids(model, tokenizer)
+        self.last_step: SchedulerOutput | None = None  # the record of the latest step
+        self._ids = itertools.count()
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps run as CUDA graphs (see `ModelRunner`)."""
+        return self.model_runner.use_cuda_graphs
+
+    @property
+    def graphs(self):  # noqa: ANN201 - DecodeGraphs | None
+        """The captured decode graphs (`minillm.engine.cuda_graphs.DecodeGraphs`), None until the first decode
+        step or when running eagerly."""
+        return self.model_runner.graphs
+
+    @classmethod
+    def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
+                       params: SamplingParams, speculative: SpeculativeConfig | None = None,
+                       kv_cache_dtype: str = "auto") -> LLMEngine:
+        """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
+        decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
+        (the prompt's once, then max_tokens plus a copy-on-write block per sequence), one for the padding
+        rows of CUDA graphs, and with `speculative`, the blocks its k draft tokens can spill into.
+        `kv_cache_dtype` as for the engine (chapter 06)."""
+        best_of = params.best_of or params.n
+        blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
+        if best_of > 1:
+            blocks = kv_blocks(prompt_len, BLOCK_SIZE) + best_of * (kv_blocks(params.max_tokens, BLOCK_SIZE) + 1)
+        num_blocks = blocks + 1
+        if speculative is not None:
+            num_blocks += best_of * kv_blocks(speculative.num_speculative_tokens, BLOCK_SIZE)
+        return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
+                   max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False,
+                   speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, constraint: TokenIndex | None = None) -> str:
+        """Queue a request; returns its id (a fresh one if request_id is None).
+
+        Checked now, with a ValueError that says what to change: an empty prompt, ids outside the
+        vocabulary, prompt + max_tokens beyond the model's context or the cache, stop strings without a
+        tokenizer, a request id in use; under a constraint, stop strings or ignore_eos (the pattern
+        decides where the output ends).
+        """
+        params = params or SamplingParams()
+        ids = prepare_prompt(self.model, prompt, params, self.tokenizer)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if constraint is not None:
+            if params.stop:
+                raise ValueError("stop strings would cut a constrained output mid-pattern; end it with the pattern "
+                                 "instead.")
+            if params.ignore_eos:
+                raise ValueError("ignore_eos has no meaning under a constraint: the pattern decides where the output "
+                                 "may end.")
+            if constraint.is_finished(constraint.start):
+                raise ValueError("the constraint allows only the empty string: there is nothing to generate.")
+        seq = Seq(request_id, ids, params, request_id=request_id, generator=self._generator(params, 0),
+                  detokenizer=IncrementalDecoder(self.tokenizer, ids) if self.tokenizer is not None else None,
+                  eos_token_ids=set() if params.ignore_eos else self.eos)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self.scheduler.add(seq)  # refuses ids in use and requests larger than the cache
+        if constraint is not None:
+            seq.constraint = Constraint(constraint, masks_for(constraint, self.model.config.vocab_size,
+                                                              self.model.device))
+            seq.dfa_state = constraint.start
+        return request_id
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sequence `index`'s random generator, seeded seed + index (None without a seed)."""
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.model.device).manual_seed(params.seed + index)
+
+    def _sequences_of(self, request_id: str) -> list[Seq]:
+        """The unfinished sequences of a request."""
+        return [s for s in self.scheduler.sequences.values() if s.request_id == request_id]
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop these requests (all their sequences) now and free their blocks; unknown ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for seq in self._sequences_of(str(request_id)):
+                self.scheduler.finish(seq, "abort")
+                self._release(seq)
+
+    def _release(self, seq: Seq) -> None:
+        """A finished sequence lets go of what lives outside the scheduler: the drafter's copy of it."""
+        if self.speculative is not None:
+            self.speculative.drafter.release(seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Unfinished requests (a request with n > 1 counts once)."""
+        return len({s.request_id for s in self.scheduler.sequences.values()})
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; the outputs of the sequences that got a token in this step."""
+        plan = self.scheduler.schedule()
+        self.last_step = plan
+        if not plan.scheduled:
+            return []
+        # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
+        speculating, plain = [], []
+        for seq, n in plan.scheduled:
+            (speculating if self._speculates(seq, n) else plain).append((seq, n))
+        results = []
+        if speculating:
+            results = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
+                                                           self.spec_stats)
+        if plain:
+            results = self._run_plain(plain) + results
+        now = time.perf_counter()
+        outputs = []
+        for seq, tokens, logprobs, tops in results:
+            text_before = len(seq.text)
+            new_ids = []
+            for token, logprob, top in zip(tokens, logprobs, tops):
+                new_ids.append(token)
+                seq.append_token(token, logprob, top, now)
+                if seq.finish_reason is not None:  # drafts accepted past the end are dropped
+                    self.scheduler.finish(seq, seq.finish_reason)
+                    self._release(seq)
+                    break
+            outputs.append(self._output(seq, new_ids, seq.text[text_before:]))
+        return outputs
+
+    def _run_plain(self, scheduled: list[tuple[Seq, int]]) -> list[SampledTokens]:
+        """Run the forward and sample one token for every row whose prompt is done. A row whose prompt just
+        completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
+        seqs = [s for s, _ in scheduled]
+        chunks = [s.all_token_ids[s.num_computed_tokens: s.num_computed_tokens + n] for s, n in scheduled]
+        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks)  # [B, V]: each row's last new token
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        rows, which = [], []
+        for i, seq in enumerate(seqs):
+            if seq.num_uncomputed_tokens == 0:
+                for s in [seq, *self._fork(seq)]:
+                    rows.append(s)
+                    which.append(i)
+        if not rows:
+            return []
+        return self.model_runner.sample(rows, logits[which])
+
+    def _speculates(self, seq: Seq, n: int) -> bool:
+        """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go."""
+        return (self.speculative is not None and n == 1 and not seq.is_prefill and seq.constraint is None
+                and seq.params.max_tokens - len(seq.output_token_ids) >= 2)
+
+    def _fork(self, seq: Seq) -> list[Seq]:
+        """If this is a request's first sequence, its prompt just completed and it asks for best_of > 1: the
+        request's other sequences, forked from it (sharing its blocks) and running from now on."""
+        best_of = seq.params.best_of or seq.params.n
+        if seq.index != 0 or best_of == 1 or seq.output_token_ids:
+            return []
+        children = []
+        for index in range(1, best_of):
+            child = seq.fork((seq.request_id, index), index, self._generator(seq.params, index))
+            self.scheduler.fork(seq, child)
+            children.append(child)
+        return children
+
+    def _output(self, seq: Seq, new_ids: list[int], new_text: str) -> RequestOutput:
+        wanted = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text if self.tokenizer is not None else None,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            token_times_s=list(seq.token_times),
+            logprobs=list(seq.logprobs) if wanted else None,
+            top_logprobs=list(seq.top_logprobs) if wanted else None,
+            num_preemptions=seq.num_preemptions,
+            index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob,
+        )
+
+    def run(self, use_tqdm: bool = False, total: int | None = None) -> dict[tuple[str, int], RequestOutput]:
+        """Step until every request is finished; the final output of each sequence by (request id, index)."""
+        from tqdm.auto import tqdm  # here, not at import: in a notebook, after minillm.book.notebook.setup()
+        finished: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=total, desc="requests", disable=not use_tqdm) as bar:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id, out.index] = out
+                        bar.update(out.index == 0)
+        return finished
+
+
+def n_best_by_logprob(outputs: Sequence[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n outputs with the highest cumulative log-probability (ties: lower index first), as vLLM's best_of."""
+    return sorted(outputs, key=lambda o: (-o.cumulative_logprob, o.index))[:n]
+
+
+class LLM:
+    """Offline batch inference: `LLM(model, tokenizer).generate(prompts, params)` (chapter 05).
+
+    Builds an `LLMEngine` (keyword arguments go to it), adds every prompt, and steps until all are done.
+    """
+
+    def __init__(self, model: Transformer | str, tokenizer: Tokenizer | None = None, **engine_kwargs: object) -> None:
+        if isinstance(model, str):
+            from minillm.checkpoints import load
+
+            model, tokenizer = load(model)
+        self.engine = LLMEngine(model, tokenizer, **engine_kwargs)  # type: ignore[arg-type]
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """The finished `RequestOutput`s, prompt by prompt in the prompts' order: params.n of them per prompt
+        (one unless n > 1; then the n best of best_of by cumulative log-probability). params: one for all, or
+        one per prompt."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: pass one, or one each.")
+        engine = self.engine
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        finished = engine.run(use_tqdm, total=len(ids))
+        outputs = []
+        for request_id, sp in zip(ids, params):
+            group = [finished[request_id, i] for i in range(sp.best_of or sp.n)]
+            outputs += n_best_by_logprob(group, sp.n)
+        return outputs

@@ -1,0 +1,186 @@
+"""The model runner: the one place a scheduled step becomes model inputs, runs, and is sampled (chapter 05).
+
+The engine's step is schedule -> run -> postprocess. This module is the middle: given which sequences
+run and their new tokens, it makes the step's inputs (`PagedKVCache.prepare`, or the CUDA graphs'
+buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and turns logits into tokens:
+
+    forward(seq_ids, token_ids)    the logits of each row's last new token, [B, vocab]:
+                                   decode rows (one new token) as one batch, replayed as a CUDA graph
+                                   where one was captured, prompt chunks as another batch, eager
+    sample(seqs, logits)           one token per row, each with its own params, generator and constraint
+    speculative_decode(seqs, ...)  chapter 07's step variant: draft, verify in one forward, roll back
+
+`paged_forward` is the eager forward itself, which beam search and the draft model (each with a cache
+of its own) call directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from minillm.constrained import mask_logits
+from minillm.engine.block_manager import NoFreeBlocksError
+from minillm.engine.cuda_graphs import DecodeGraphs, graphs_unavailable
+from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.sequence import Sequence as Seq
+from minillm.model import Transformer
+from minillm.sampling import compute_logprobs, sample
+
+log = logging.getLogger("minillm")
+
+
+class SampledTokens(NamedTuple):
+    """What one step gave one sequence: its new tokens (one, or several from a verify step), their
+    log-probabilities under the model's raw distribution, and their top alternatives ({} unless asked for)."""
+
+    seq: Seq
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+
+
+@torch.inference_mode()
+def paged_forward(
+    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """One eager forward of the model over new tokens of several sequences of `cache` (chapter 04).
+
+    token_ids[i] (one or more ids) follow what seq_ids[i] already holds; prefill, chunks and decode
+    tokens may be mixed. Returns the logits of each sequence's last new token, [len(seq_ids), vocab]:
+    what chooses its next token.
+    """
+    view = cache.prepare(seq_ids, token_ids)
+    return model(view.tokens, cache=view, last_only=True)[:, -1]
+
+
+class ModelRunner:
+    """Runs `model` over steps of sequences in `cache`: eager, or decode steps replayed as CUDA graphs.
+
+    Args:
+        model, cache: the model and the paged KV cache its sequences live in.
+        max_num_seqs: the most rows of a step (the largest CUDA graph captured).
+        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured at
+            the first decode step. None: wherever they can run (a CUDA model, Triton, no sliding window);
+            True where they cannot raises a ValueError saying why. If capture fails, the runner logs why
+            and runs eagerly.
+        no_graphs_reason: a reason of the caller's to run eagerly (the engine's: speculative decoding).
+    """
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
+                 no_graphs_reason: str | None = None) -> None:
+        self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
+        reason = graphs_unavailable(model) or no_graphs_reason
+        if cuda_graphs and reason:
+            raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
+        self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
+        self.graphs: DecodeGraphs | None = None  # captured at the first decode step
+
+    # ------------------------------------------------------------------ running the model
+    def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds.
+
+        The model takes a rectangular batch [B, T], so rows shorter than the longest are padded, and padding
+        costs as much compute as a token. A 512-token prompt chunk beside 40 decodes would make 41 x 512
+        positions for 552 real tokens. So the rows computing one token (decodes) run as one forward [D, 1],
+        and the prompt chunks as another [P, T] (padded only against each other). vLLM avoids padding
+        altogether by packing every token of the step into one flat sequence with per-request attention
+        ("varlen" kernels); minillm's kernels take rectangular batches, and two forwards keep it simple.
+        """
+        logits: list[torch.Tensor | None] = [None] * len(seq_ids)
+        decodes = [i for i, t in enumerate(token_ids) if len(t) == 1]
+        prompts = [i for i, t in enumerate(token_ids) if len(t) > 1]
+        for group in (decodes, prompts):
+            if not group:
+                continue
+            ids = [seq_ids[i] for i in group]
+            if group is decodes and self._decode_graphs() is not None:
+                rows = self.graphs.run(ids, [token_ids[i][0] for i in group])
+            else:
+                rows = paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
+            for j, i in enumerate(group):
+                logits[i] = rows[j]
+        return torch.stack(logits)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The captured decode graphs, capturing them on first use; None when the runner runs eagerly."""
+        if self.graphs is None and self.use_cuda_graphs:
+            try:
+                self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:  # the model does something capture forbids
+                log.warning("CUDA graph capture failed, running decode steps eagerly: %s", error)
+                self.use_cuda_graphs = False
+        return self.graphs
+
+    # ------------------------------------------------------------------ choosing tokens
+    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[SampledTokens]:
+        """One token for each of seqs from its row of logits [len(seqs), V]: each with its own params and
+        generator, constrained rows masked to what their pattern allows; log-probabilities of the raw logits."""
+        tokens = sample(self._constrain(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs],
+                        prompt_ids=[s.prompt_token_ids for s in seqs], output_ids=[s.output_token_ids for s in seqs])
+        lp = compute_logprobs(logits, tokens, max((s.params.logprobs or 0) for s in seqs))
+        return [SampledTokens(s, [t], [float(lp.logprobs[j])], [dict(zip(*lp.top_logprobs[j])) if s.params.logprobs
+                                                                  else {}])
+                for j, (s, t) in enumerate(zip(seqs, tokens.tolist()))]
+
+    @staticmethod
+    def _constrain(seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from: each constrained row masked to the tokens its DFA state allows."""
+        constrained = [j for j, s in enumerate(seqs) if s.constraint is not None]
+        if not constrained:
+            return logits
+        logits = logits.clone()
+        for j in constrained:
+            seq = seqs[j]
+            allowed = seq.constraint.masks[seq.dfa_state]
+            if not allowed.any():
+                raise ValueError(f"no token of the vocabulary continues the pattern from state {seq.dfa_state}: "
+                                 "the vocabulary lacks the bytes it needs. Use a byte-level BPE tokenizer (it has all "
+                                 "256 bytes), or a pattern within the characters this vocabulary can spell.")
+            logits[j] = mask_logits(logits[j], allowed)
+        return logits
+
+    # ------------------------------------------------------------------ speculative decoding (chapter 07)
+    def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any) -> list[SampledTokens]:
+        """Draft, verify in one target forward, roll back the rejected positions (chapter 07).
+
+        `speculative` is a `minillm.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
+        verify rule) and `stats` its `SpeculativeStats`. Each row's last token (uncomputed, as in any decode
+        step) and its d <= k drafts go through the model together, [B, 1 + max d] left-padded; the logits at
+        those 1 + d positions are p_1 .. p_{d+1}. The verify rule keeps a accepted drafts and adds one token;
+        the cache keeps the last token and the a drafts, and `PagedKVCache.truncate` returns the rejected
+        ones' slots.
+        """
+        ids = [s.seq_id for s in seqs]
+        ks = [min(speculative.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
+              for s in seqs]
+        drafts = speculative.drafter.propose(ids, [s.all_token_ids for s in seqs], [s.params for s in seqs], ks,
+                                             [s.generator for s in seqs])
+        proposed: list[tuple[list[int], torch.Tensor | None]] = []  # each row's (draft tokens, their q or None)
+        for seq_id, draft, k in zip(ids, drafts, ks):
+            if len(draft.tokens) > k:
+                raise ValueError(f"the drafter proposed {len(draft.tokens)} tokens where {k} were asked for.")
+            try:  # the scheduler gave the row room for its last token; the drafts need more
+                self.cache.allocate_slots([seq_id], [1 + len(draft.tokens)])
+                proposed.append((list(draft.tokens), draft.probs))
+            except NoFreeBlocksError:
+                proposed.append(([], None))  # no room for drafts: a plain decode step for this row
+        view = self.cache.prepare(ids, [[s.all_token_ids[-1], *d] for s, (d, _) in zip(seqs, proposed)])
+        logits = self.model(view.tokens, cache=view)  # [B, T, V], row b's positions are its last 1 + d_b columns
+        results = []
+        for b, (seq, (draft, q)) in enumerate(zip(seqs, proposed)):
+            raw = logits[b, logits.shape[1] - 1 - len(draft):]  # [1 + d, V]
+            tokens = speculative.accept(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, draft, q,
+                                        seq.generator)
+            accepted = len(tokens) - 1
+            if draft:
+                stats.record(len(draft), accepted)
+            seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts are in the cache
+            self.cache.truncate(seq.seq_id, seq.num_computed_tokens)
+            lp = compute_logprobs(raw[: len(tokens)], torch.tensor(tokens, device=raw.device), seq.params.logprobs or 0)
+            tops = [dict(zip(*t)) if seq.params.logprobs else {} for t in lp.top_logprobs]
+            results.append(SampledTokens(seq, tokens, lp.logprobs.tolist(), tops))
+        return results

@@ -1,3 +1,0 @@
-"""Every chapter's exercise tasks; importing this package registers them all (see `grading.check`)."""
-
-from minillm.grading.tasks import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07  # noqa: F401 - importing registers the NN.* tasks

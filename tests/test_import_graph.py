@@ -1,0 +1,112 @@
+"""The package's imports point one way: no circles, the engine never imports the book's machinery, kernels never
+import the engine. Read from the source with `ast` (every import counts, inside functions too), so nothing has to
+be imported to check it and a lazy import cannot hide a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"minillm": ROOT / "minillm", "minillm.kernels": ROOT / "kernels"}  # kernels/ installs as minillm.kernels
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the project by dotted name (a package by its own name, for its __init__.py)."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports: `import a.b`, `from a import b` (b a module or a name in a)."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package holding this module, then up level - 1
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "minillm":  # `from minillm import x`: the top, not a cycle
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_engine_and_its_edges():
+    """A check that cannot fail is no check: the graph must hold the modules and edges we know exist."""
+    edges = graph()
+    assert "minillm.engine.llm_engine" in edges and "minillm.kernels.decode_attention" in edges
+    assert "minillm.engine.scheduler" in edges["minillm.engine.llm_engine"]
+    assert "minillm.model" in edges["minillm.engine.kv_cache"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    found = circles(graph())
+    assert not found, ("import circles (each line a set of modules that import each other, directly or not): "
+                       + "; ".join(" <-> ".join(c) for c in found)
+                       + ". Move what both need below both, or pass it in, so imports point one way.")
+
+
+def test_the_engine_never_imports_the_book_machinery():
+    """minillm.book (book.yml, the site, notebook helpers, grading) sits on top; nothing else in minillm imports it
+    (the CLI, which offers the book's commands, is the one door between them)."""
+    bad = [f"{m} -> {t}" for m, targets in graph().items() for t in targets
+           if t.startswith("minillm.book") and not m.startswith("minillm.book") and m != "minillm.cli"]
+    assert not bad, f"engine modules import the book's machinery: {bad}. Keep the engine free of it."
+
+
+def test_kernels_import_nothing_of_the_engine():
+    bad = [f"{m} -> {t}" for m, targets in graph().items() if m.startswith("minillm.kernels") for t in targets
+           if not t.startswith("minillm.kernels")]
+    assert not bad, f"kernels import the engine: {bad}. A kernel and its reference take tensors, not engine objects."
