@@ -39,7 +39,6 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from minillm.model import Transformer
 from minillm.train import TrainSettings, lr_at, make_optimizer, optimizer_step, sample_batch
@@ -151,6 +150,7 @@ def distill(
     optimizer = make_optimizer(student, s)
     gen = torch.Generator().manual_seed(seed)
     losses = []
+    from tqdm.auto import tqdm  # imported here: in a notebook, after minillm.book.notebook.setup()
     for step in tqdm(range(steps), desc="distilling", disable=not progress):
         batch = sample_batch(ids, s, gen)
         losses.append(distill_step(student, teacher, optimizer, batch, lr_at(step, s), temperature))

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from minillm import corpus
 from minillm.checkpoints import load, save
@@ -237,6 +236,7 @@ def fit(
     val_windows = batches_for_eval(val_ids, settings.seq_len)
     best, best_state, log = float("inf"), None, []
     start = time.perf_counter()
+    from tqdm.auto import tqdm  # imported here: in a notebook, after minillm.book.notebook.setup()
     bar = tqdm(range(settings.steps), desc="training", disable=not progress)
     for step in bar:
         loss = train_step(model, optimizer, sample_batch(train_ids, settings, gen), lr_at(step, settings))

@@ -57,6 +57,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from minillm.arithmetic import cdiv
 from minillm.config import ModelConfig
 from minillm.engine.block_manager import (
     BLOCK_SIZE,
@@ -220,7 +221,7 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_id!r} holds {table.num_tokens} tokens: cannot keep {num_tokens}; "
                              f"pass a count from 0 to {table.num_tokens}.")
         bs = self.block_size
-        keep_blocks = -(-num_tokens // bs)
+        keep_blocks = cdiv(num_tokens, bs)
         for block in reversed(table.block_ids[keep_blocks:]):
             self.allocator.free(block)
         del table.block_ids[keep_blocks:]
@@ -274,7 +275,7 @@ class PagedKVCache:
                 last = table.block_ids[table.num_tokens // bs]
                 if allocator.ref_counts[last] - copies_planned[last] > 1:
                     needed, copies_planned[last] = needed + 1, copies_planned[last] + 1
-            needed += max(0, -(-(table.num_tokens + n) // bs) - len(table.block_ids))
+            needed += max(0, cdiv(table.num_tokens + n, bs) - len(table.block_ids))
         return needed
 
     def allocate_slots(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> None:
