@@ -47,6 +47,7 @@ import torch
 from minillm.arithmetic import kv_blocks
 from minillm.constrained import TokenIndex, masks_for
 from minillm.engine.block_manager import BLOCK_SIZE
+from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from minillm.engine.model_runner import ModelRunner, SampledTokens
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
@@ -158,7 +159,7 @@ class LLMEngine:
         return self.model_runner.use_cuda_graphs
 
     @property
-    def graphs(self):  # noqa: ANN201 - DecodeGraphs | None
+    def graphs(self) -> DecodeGraphs | None:
         """The captured decode graphs (`minillm.engine.cuda_graphs.DecodeGraphs`), None until the first decode
         step or when running eagerly."""
         return self.model_runner.graphs
