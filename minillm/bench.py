@@ -127,7 +127,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int] | str, max_t
 
 
 async def _online(url: str, model: str, requests: list[tuple[list[int], int]], rate: float, max_seconds: float,
-                  seed: int, use_tqdm: bool) -> tuple[list[RequestResult], float]:
+                  seed: int, use_tqdm: bool, api_key: str | None = None) -> tuple[list[RequestResult], float]:
     import httpx
     from tqdm.auto import tqdm
 
@@ -135,7 +135,8 @@ async def _online(url: str, model: str, requests: list[tuple[list[int], int]], r
     results = [RequestResult(len(p), n, math.nan) for p, n in requests]
     start = time.perf_counter()
     limits = httpx.Limits(max_connections=len(requests) + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(max_seconds), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(max_seconds), limits=limits, headers=headers) as client:
         tasks: dict[asyncio.Task, RequestResult] = {}
         arrival = 0.0
         bar = tqdm(total=len(requests), desc=f"requests at {rate:g}/s", disable=not use_tqdm)
@@ -176,9 +177,11 @@ def goodput(results: list[RequestResult], seconds: float, slo_ttft: float, slo_t
 
 
 def online(url: str, model: str, requests: list[tuple[list[int], int]], rate: float, max_seconds: float = 600,
-           slo_ttft: float = 1.0, slo_tpot: float = 0.1, seed: int = 0, use_tqdm: bool = True) -> dict[str, Any]:
-    """Send `requests` to an OpenAI-compatible server at Poisson rate `rate` (inf: all at once); the metrics."""
-    run = _online(url.rstrip("/"), model, requests, rate, max_seconds, seed, use_tqdm)
+           slo_ttft: float = 1.0, slo_tpot: float = 0.1, seed: int = 0, use_tqdm: bool = True,
+           api_key: str | None = None) -> dict[str, Any]:
+    """Send `requests` to an OpenAI-compatible server at Poisson rate `rate` (inf: all at once); the metrics.
+    api_key: sent as 'Authorization: Bearer KEY', for a server started with one."""
+    run = _online(url.rstrip("/"), model, requests, rate, max_seconds, seed, use_tqdm, api_key)
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # no event loop here: the usual case
@@ -226,6 +229,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--max-seconds", type=float, default=600, help="stop the run after this long")
             p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput: the most TTFT, seconds")
             p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput: the most TPOT, seconds")
+            p.add_argument("--api-key", default=None, help="the server's API key (default: $MINILLM_API_KEY)")
         else:
             p.add_argument("--device", default="cpu")
             p.add_argument("--max-num-seqs", type=int, default=64)
@@ -247,8 +251,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{result['requests']} requests in {result['seconds']:.1f} s: {result['output_tokens_per_s']:.0f} "
               f"output tokens/s, {result['total_tokens_per_s']:.0f} tokens/s in all")
     else:
+        import os
+
+        api_key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY")
         result = online(args.url, model_name, requests, args.request_rate, args.max_seconds, args.slo_ttft,
-                        args.slo_tpot, args.seed)
+                        args.slo_tpot, args.seed, api_key=api_key)
         print(f"{result['completed']}/{result['requests']} completed in {result['seconds']:.1f} s at "
               f"{args.request_rate:g} req/s: TTFT p50 {result['ttft_s']['p50'] * 1e3:.0f} ms p99 "
               f"{result['ttft_s']['p99'] * 1e3:.0f} ms, TPOT p50 {result['tpot_s']['p50'] * 1e3:.1f} ms, "

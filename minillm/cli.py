@@ -13,6 +13,7 @@ Errors print one line (`minillm: error: ...`) and exit with status 1, without a 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from minillm.checkpoints import DEFAULT_MODEL, CheckpointError, shipped_models
@@ -100,9 +101,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_name = args.model or default_model()
     if model_name is None:
         raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
-    serve(model_name, args.host, args.port, args.max_queue, device=args.device, quant=args.quant,
-          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-          max_num_batched_tokens=args.max_num_batched_tokens)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY")
+    serve(model_name, args.host, args.port, args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
+          metrics_require_api_key=args.metrics_require_api_key, device=args.device, dtype=args.dtype,
+          quant=args.quant, speculative_model=args.speculative_model,
+          num_speculative_tokens=args.num_speculative_tokens, enforce_eager=args.enforce_eager,
+          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
+          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
+          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     return 0
 
 
@@ -126,15 +132,39 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Serve a model over an OpenAI-compatible HTTP API (chapter 05): "
                                      "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
     srv.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the name clients ask for and /v1/models lists (default: the model's folder name)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                     "another address without --api-key prints a warning)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every /v1/ route (default: $MINILLM_API_KEY, else "
+                          "none); /health stays open")
+    srv.add_argument("--metrics-require-api-key", action="store_true", help="/metrics asks for the API key too")
     srv.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                     help="the weights' and activations' dtype; auto: fp32 on a CPU, the checkpoint's on a GPU "
+                          "(chapter 00)")
     srv.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
     srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16; chapter 04)")
     srv.add_argument("--num-blocks", type=int, default=None,
-                     help="KV-cache blocks (default: max-num-seqs full contexts)")
-    srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one forward (default 64)")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (default 512)")
+                     help="KV-cache blocks (default: max-num-seqs full contexts; chapter 04)")
+    srv.add_argument("--kv-cache-memory-bytes", type=float, default=None,
+                     help="size the KV cache to this many bytes instead of --num-blocks (chapters 02, 04)")
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV blocks of prompt prefixes seen before (default on; chapter 04)")
+    srv.add_argument("--max-num-seqs", type=int, default=64,
+                     help="most sequences in one forward (default 64; chapter 05)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512,
+                     help="token budget of a step (default 512; chapter 05)")
+    srv.add_argument("--enforce-eager", action="store_true",
+                     help="run every step eagerly: no CUDA graphs (chapters 02, 05)")
+    srv.add_argument("--speculative-model", default=None,
+                     help="speculative decoding (chapter 07): a draft model of the same vocabulary (a shipped name "
+                          "or a folder), or [ngram] for prompt lookup")
+    srv.add_argument("--num-speculative-tokens", type=int, default=None,
+                     help="drafts per step with --speculative-model (default 4; chapter 07)")
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.set_defaults(func=cmd_serve)
 

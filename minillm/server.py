@@ -23,15 +23,26 @@ Several completions per request (`n`, and `best_of` for the completions endpoint
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
-JSON or fields (400), an unknown model (404), a prompt longer than the context (400), a full queue
-(429). A client that disconnects aborts its request, and the request's KV blocks are freed.
+JSON or fields (400), a missing or wrong API key (401), an unknown model (404), a prompt longer than
+the context (400), a full queue (429). A client that disconnects aborts its request, and the request's
+KV blocks are freed.
+
+With an API key (`minillm serve --api-key KEY`, or the MINILLM_API_KEY environment variable, as vLLM's
+--api-key and VLLM_API_KEY), every /v1/ route asks for it the way OpenAI clients send it,
+`Authorization: Bearer KEY`, compared in constant time (`hmac.compare_digest`: how long a wrong key takes
+to refuse says nothing about how much of it was right); /health stays open, and /metrics asks for the key
+only with --metrics-require-api-key. `build_engine` turns the command's engine flags into an `LLMEngine`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
+import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -40,6 +51,7 @@ from typing import Any, Literal
 
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
+from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
 
 try:
     from fastapi import FastAPI, Request
@@ -157,6 +169,18 @@ class Metrics:
                               registry=r)
         self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between tokens of a request.",
                              buckets=buckets, registry=r)
+        # Read from the engine at each scrape (vLLM exports the same counts as prefix_cache_hits/queries and
+        # spec_decode_num_draft_tokens/num_accepted_tokens):
+        self.prefix_hits = Gauge("minillm_prefix_cache_hits", "Full prompt blocks found in the prefix cache.",
+                                 registry=r)
+        self.prefix_queries = Gauge("minillm_prefix_cache_queries", "Full prompt blocks looked up in the prefix "
+                                    "cache.", registry=r)
+        self.draft_tokens = Gauge("minillm_spec_decode_num_draft_tokens", "Draft tokens proposed (speculative "
+                                  "decoding, chapter 07).", registry=r)
+        self.accepted_tokens = Gauge("minillm_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                     registry=r)
+        self.cuda_graphs = Gauge("minillm_cuda_graphs_enabled", "1 if decode steps replay CUDA graphs, 0 if eager.",
+                                 registry=r)
         self.blocks_total.set(engine.cache.allocator.num_blocks)
         self.engine = engine
 
@@ -178,6 +202,11 @@ class Metrics:
         self.waiting.set(len(scheduler.waiting))
         self.running.set(len(scheduler.running))
         self.blocks_used.set(allocator.num_used_blocks)
+        self.prefix_hits.set(allocator.hits)
+        self.prefix_queries.set(allocator.hits + allocator.misses)
+        self.draft_tokens.set(self.engine.spec_stats.num_proposed)
+        self.accepted_tokens.set(self.engine.spec_stats.num_accepted)
+        self.cuda_graphs.set(float(self.engine.use_cuda_graphs))
         return generate_latest(self.registry)
 
 
@@ -258,8 +287,15 @@ class AsyncEngine:
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16) -> FastAPI:
-    """The FastAPI app serving `engine` as `model_name` (see the module docstring)."""
+def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16,
+               api_key: str | None = None, metrics_require_api_key: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine` as `model_name` (see the module docstring). With `api_key`, every /v1/
+    route (and /metrics, with metrics_require_api_key) answers 401 unless the request carries
+    `Authorization: Bearer <api_key>`."""
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty: give a key, or none to serve without one.")
+    if metrics_require_api_key and api_key is None:
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key or MINILLM_API_KEY).")
     state = AsyncEngine(engine, max_queue)
 
     @contextlib.asynccontextmanager
@@ -275,6 +311,20 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+        protected = ("/v1/", "/metrics") if metrics_require_api_key else ("/v1/",)
+
+        @app.middleware("http")
+        async def require_api_key(http: Request, call_next: Any) -> Any:
+            if http.url.path.startswith(protected):
+                sent = http.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(sent, expected):  # constant time: no timing hint about the key
+                    why = "a wrong API key" if sent else "no API key"
+                    return APIError(401, f"{why} was sent: send the server's key as 'Authorization: Bearer KEY' "
+                                         "(the openai client's api_key).", code="invalid_api_key").response()
+            return await call_next(http)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -368,28 +418,76 @@ def _sse(request_id: str, kind: str, created: int, model: str, choice: dict) -> 
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-          device: str = "cpu", quant: str | None = None, **engine_kwargs: Any) -> None:
-    """Load `model` (a shipped name or a folder), quantised by `quant` (`minillm.quant.QUANT_OPTIONS`)
-    if given, and serve it until interrupted (`minillm serve`)."""
-    import uvicorn
+def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: str | None = None,
+                 speculative_model: str | None = None, num_speculative_tokens: int | None = None,
+                 enforce_eager: bool = False, **engine_kwargs: Any) -> LLMEngine:
+    """The engine `minillm serve` runs, from its flags: `model` (a shipped name or a folder) in `dtype` ("auto":
+    fp32 on a CPU, the checkpoint's dtype on a GPU), quantised by `quant` (chapter 06); speculative decoding with
+    `speculative_model` (a model of the same vocabulary, or "[ngram]" for prompt lookup, chapter 07) and
+    `num_speculative_tokens` drafts a step; `enforce_eager` turns CUDA graphs off; the rest goes to
+    `LLMEngine` (block_size, enable_prefix_caching, kv_cache_memory_bytes, ...). Impossible combinations raise
+    a ValueError that says why, before anything is served."""
+    from minillm.checkpoints import load
 
-    from minillm import load
-
-    llm, tokenizer = load(model, device=device)
+    if num_speculative_tokens is not None and speculative_model is None:
+        raise ValueError("--num-speculative-tokens needs --speculative-model (a draft model, or [ngram]).")
+    llm, tokenizer = load(model, device=device, dtype=None if dtype == "auto" else dtype)
     if quant:
         from minillm.quant import quantize_by_name
 
         quantize_by_name(llm, quant, tokenizer)
-    name = str(model).rstrip("/").split("/")[-1]
-    app = create_app(LLMEngine(llm, tokenizer, **engine_kwargs), name, max_queue)
+    speculative = None
+    if speculative_model is not None:
+        k = 4 if num_speculative_tokens is None else num_speculative_tokens
+        if speculative_model == "[ngram]":
+            drafter = NgramDrafter()
+        else:
+            draft, _ = load(speculative_model, device=device, dtype=llm.dtype)
+            if draft.config.vocab_size != llm.config.vocab_size:
+                raise ValueError(f"the draft model {speculative_model!r} has a vocabulary of {draft.config.vocab_size} "
+                                 f"tokens and the served model {llm.config.vocab_size}: a draft must share the "
+                                 "target's tokenizer. Choose a draft of the same family, or [ngram].")
+            drafter = DraftModelDrafter(draft)
+        speculative = SpeculativeConfig(drafter, k)
+    cuda_graphs = False if enforce_eager else None
+    return LLMEngine(llm, tokenizer, speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it may be reachable from elsewhere
+        return False
+
+
+def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
+          api_key: str | None = None, served_model_name: str | None = None,
+          metrics_require_api_key: bool = False, **engine_options: Any) -> None:
+    """Serve `model` (a shipped name or a folder) until interrupted (`minillm serve`): the engine from
+    `build_engine(model, **engine_options)`, as `served_model_name` (default: the folder's name), asking
+    for `api_key` on /v1/ routes if given. Warns when a non-loopback address is served without a key."""
+    import uvicorn
+
+    engine = build_engine(model, **engine_options)
+    name = served_model_name or str(model).rstrip("/").split("/")[-1]
+    app = create_app(engine, name, max_queue, api_key=api_key, metrics_require_api_key=metrics_require_api_key)
+    if api_key is None and not is_loopback(host):
+        logging.getLogger("minillm").warning(
+            "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
+            "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 @contextlib.contextmanager
-def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, **options: Any) -> Iterator[str]:
+def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, env: dict[str, str] | None = None,
+                        **options: Any) -> Iterator[str]:
     """Run `minillm serve` in its own process on a free port of 127.0.0.1; yield its URL once /health answers,
-    and stop it (SIGTERM) when the block ends. options: the command's flags, e.g. max_num_seqs=16.
+    and stop it (SIGTERM) when the block ends. options: the command's flags, e.g. max_num_seqs=16 for
+    --max-num-seqs=16, enforce_eager=True for --enforce-eager, enable_prefix_caching=False for
+    --no-enable-prefix-caching; env: environment variables to add (e.g. MINILLM_API_KEY).
 
         with serve_in_background("shakespeare-1m", max_num_seqs=16) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -403,9 +501,13 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, *
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    flags = []
+    for key, value in options.items():
+        flag = key.replace("_", "-")
+        flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
     command = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", str(port), *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s
