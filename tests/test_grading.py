@@ -190,6 +190,22 @@ def test_blank_source_replaces_regions_at_their_indentation():
     assert "NotImplementedError('write this part" in default
 
 
+def test_a_long_hint_continues_on_comment_lines_and_its_raise_is_cut_to_fit_120_characters():
+    hint = "accept draft i iff u[i] * q[i, x] < p[i, x]; at the first rejection sample the residual and stop; " \
+           "after all k drafts, sample one more token from p[k]"
+    cut = hint.rindex(" ", 0, 90)  # the BEGIN line holds the hint up to here, a "#   " line the rest
+    source = ("def verify(p, q):\n        # BEGIN SOLUTION: " + hint[:cut] + "\n        #   " + hint[cut + 1:]
+              + "\n        # a comment of the answer itself\n        return p\n        # END SOLUTION\n")
+    blanked, _ = blank_source(source)
+    assert all(len(line) <= 120 for line in blanked.splitlines()), blanked
+    assert "a comment of the answer" not in blanked, "only '#   ' lines continue the hint; the answer is gone"
+    namespace: dict = {}
+    exec(blanked, namespace)
+    with pytest.raises(NotImplementedError) as err:
+        namespace["verify"](None, None)
+    assert str(err.value) == hint, "the message is the whole hint, rejoined"
+
+
 @pytest.mark.parametrize(
     "source, error",
     [

@@ -11,8 +11,11 @@ Two books are built once each (module-scoped fixtures) and served from 127.0.0.1
 
 Headless Chromium (Debian's, /usr/bin/chromium, driven by Playwright) then checks that every chapter page
 loads with its title, every image decodes, math is typeset by the site's own MathJax, the theme's
-"next" link works, the drill answers sit in closed reveals, and no request fails or leaves 127.0.0.1.
-A full-page screenshot of each chapter is saved under `_build/screenshots/`.
+"next" link works, the drill answers sit in closed reveals, and no request fails or leaves 127.0.0.1;
+and that on every chapter, exercise and solution page, at a laptop's 1366 x 900, no code input is cut,
+every diagram is drawn as an SVG by the site's own mermaid, and no section number appears twice; at a
+phone's 390 px, the page never scrolls sideways as a whole. A full-page screenshot of each chapter is
+saved under `_build/screenshots/`.
 
 Tiny one-chapter books, without a browser, check the rest of the execution story: a second build
 re-runs nothing (a cell that appends to a file outside the book counts the runs), a changed code cell
@@ -37,7 +40,7 @@ import pytest
 import yaml
 
 from minillm.book import REPO_ROOT, load_book
-from minillm.book.site import MATHJAX_VERSION, SiteError, build_site, written_drills
+from minillm.book.site import MATHJAX_VERSION, MERMAID_VERSION, SiteError, build_site, written_drills
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -57,13 +60,14 @@ def _missing(what: str, how: str) -> None:
 
 @pytest.fixture(scope="module")
 def build_tools() -> None:
-    """What building the site needs: Jupyter Book, and npm to fetch MathJax once."""
+    """What building the site needs: Jupyter Book, and npm to fetch MathJax and mermaid once."""
     try:
         import jupyter_book  # noqa: F401
     except ImportError:
         _missing("The book extra (jupyter-book, playwright)", "pip install -e '.[book]'")
-    if shutil.which("npm") is None and not (CACHE / f"mathjax-{MATHJAX_VERSION}").is_dir():
-        _missing("npm (to fetch MathJax once)", "apt-get install -y npm")
+    cached = [CACHE / f"mathjax-{MATHJAX_VERSION}", CACHE / f"mermaid-{MERMAID_VERSION}"]
+    if shutil.which("npm") is None and not all(folder.is_dir() for folder in cached):
+        _missing("npm (to fetch MathJax and mermaid once)", "apt-get install -y npm")
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +209,9 @@ def real_site(tmp_path_factory, browser) -> Iterator[Site]:
 class Visit:
     """Open one page in a fresh tab, recording every failed, erroring or outside request and JS error."""
 
-    def __init__(self, browser, url: str) -> None:
+    def __init__(self, browser, url: str, viewport: dict | None = None) -> None:
         self.problems: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        self.page = browser.new_page(viewport=viewport or {"width": 1366, "height": 900})  # a common laptop
         self.page.on("request", self._request)
         self.page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url} ({r.failure})"))
         self.page.on("response", lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"))
@@ -237,6 +241,7 @@ class Visit:
             await document.fonts.ready;
             const pending = Array.from(document.images).filter(i => !i.complete);
             await Promise.all(pending.map(i => new Promise(r => { i.onload = r; i.onerror = r; })));
+            if (window.minillmDiagrams !== undefined) await window.minillmDiagrams.catch(() => null);
         }""")
 
     def images(self) -> list[dict]:
@@ -268,6 +273,33 @@ def check_chapter(browser, site: Site, chapter) -> Visit:
     screenshot(visit, f"{site.shot_prefix}{chapter.slug}.png")
     assert not visit.problems, f"chapter {chapter.id}: " + "\n".join(visit.problems)
     return visit
+
+
+def check_layout(visit: Visit, page: str) -> None:
+    """At 1366 x 900: no code input is cut (every line shows without scrolling sideways), every diagram is
+    drawn as an SVG, no image is broken, and no section number appears twice on the page."""
+    clipped = visit.page.evaluate("""() => Array.from(document.querySelectorAll('article pre'))
+        .filter(pre => !pre.closest('.cell_output, .output') && !pre.classList.contains('mermaid'))
+        .map((pre, i) => ({i: i, over: pre.scrollWidth - pre.clientWidth, line: pre.innerText.split('\\n')[0],
+                           longest: Math.max(...pre.innerText.split('\\n').map(l => l.length))}))
+        .filter(b => b.over > 1)""")
+    assert not clipped, f"{page}: code inputs wider than their box at 1366 px: " + "; ".join(
+        f"block {b['i']} (longest line {b['longest']} characters) starting {b['line'][:60]!r}" for b in clipped)
+    diagrams = visit.page.evaluate("""() => ({
+        drawn: document.querySelectorAll('pre.mermaid svg').length,
+        blocks: document.querySelectorAll('pre.mermaid').length,
+        undrawn: Array.from(document.querySelectorAll('div.highlight-mermaid, pre.mermaid'))
+                      .filter(e => !e.querySelector('svg')).map(e => e.innerText.split('\\n')[0])})""")
+    assert not diagrams["undrawn"], f"{page}: diagrams left as text, not drawn: {diagrams['undrawn']}"
+    assert diagrams["drawn"] == diagrams["blocks"]
+    broken = [i["src"] for i in visit.images() if not i["complete"] or i["w"] == 0]
+    assert not broken, f"{page}: images that do not decode: {broken}"
+    headings = visit.page.evaluate(
+        "() => Array.from(document.querySelectorAll('article h2')).map(h => h.innerText.trim())")
+    numbers = [h.split(".")[0] for h in headings if h.split(".")[0].isdigit()]
+    twice = sorted({n for n in numbers if numbers.count(n) > 1})
+    assert not twice, f"{page}: section numbers used twice: {[h for h in headings if h.split('.')[0] in twice]}"
+    assert not visit.problems, f"{page}: " + "\n".join(visit.problems)
 
 
 def check_next_link(browser, site: Site) -> None:
@@ -382,11 +414,31 @@ def test_real_book(browser, real_site):
     written = real_site.book.written()
     for ch in written:
         check_chapter(browser, real_site, ch).close()
+        for path in (ch.notebook, ch.exercise, ch.solution):
+            visit = Visit(browser, real_site.page_url(path))
+            check_layout(visit, path)
+            visit.close()
     check_next_link(browser, real_site)
     check_intro(browser, real_site)
     check_drill_bank(browser, real_site)
     if not written:
         pytest.skip("book.yml has no written chapter yet: only the intro and drill-bank pages were checked")
+
+
+def test_real_book_on_a_phone(browser, real_site):
+    """The theme's narrow layout: the page never scrolls sideways as a whole (wide code scrolls in its own box),
+    and a diagram is drawn there too."""
+    written = real_site.book.written()
+    if not written:
+        pytest.skip("book.yml has no written chapter yet")
+    for ch in written:
+        visit = Visit(browser, real_site.page_url(ch.notebook), viewport={"width": 390, "height": 844})
+        wide = visit.page.evaluate("() => document.scrollingElement.scrollWidth - window.innerWidth")
+        assert wide <= 1, f"{ch.notebook}: at 390 px the page is {wide} px wider than the screen"
+        undrawn = visit.page.locator("pre.mermaid:not(:has(svg)), div.highlight-mermaid").count()
+        assert not undrawn, f"{ch.notebook}: {undrawn} diagram(s) not drawn on a narrow screen"
+        assert not visit.problems, "\n".join(visit.problems)
+        visit.close()
 
 
 def test_site_names_no_outside_script(fixture_site):

@@ -58,6 +58,9 @@ MATHJAX_VERSION = "3.2.2"
 # The other combined builds (SVG, MathML input, node) are left out: they are never loaded.
 MATHJAX_KEEP = ("tex-chtml.js", "input", "output", "ui", "a11y", "sre", "adaptors")
 MATHJAX_ENTRY = "mathjax/tex-chtml.js"  # relative to the site's _static/
+# mermaid draws the diagrams (```mermaid blocks): its one-file browser build, loaded by static/diagrams.js.
+MERMAID_VERSION = "11.17.2"
+STATIC_DIR = Path(__file__).parent / "static"  # the site's own stylesheet and scripts
 
 # What a notebook's outputs depend on besides its own code: the engine it imports (with its shipped
 # models and drill bank) and the committed results files it reads. A change to any file in these
@@ -127,6 +130,8 @@ def build_site(
     (src / "index.md").write_text(intro_page(book), encoding="utf-8")
     (src / "drills.md").write_text(drill_bank_page(book), encoding="utf-8")
     shutil.copytree(fetch_mathjax(cache), src / "_mathjax" / "mathjax")
+    shutil.copytree(STATIC_DIR, src / "_minillm")
+    shutil.copytree(fetch_mermaid(cache), src / "_minillm" / "mermaid")
     (src / "_config.yml").write_text(yaml.safe_dump(site_config(book), sort_keys=False), encoding="utf-8")
     (src / "_toc.yml").write_text(yaml.safe_dump(site_toc(book, parts), sort_keys=False), encoding="utf-8")
 
@@ -313,7 +318,7 @@ def site_config(book: Book) -> dict[str, Any]:
         "author": book.author,
         "copyright": book.author,
         "only_build_toc_files": True,
-        "exclude_patterns": ["_build", "_mathjax", "**.ipynb_checkpoints"],
+        "exclude_patterns": ["_build", "_mathjax", "_minillm", "**.ipynb_checkpoints"],
         # The notebooks are executed (or not) before the build, by build_site: never by the builder.
         "execute": {"execute_notebooks": "off"},
         "parse": {
@@ -338,9 +343,12 @@ def site_config(book: Book) -> dict[str, Any]:
         },
         "sphinx": {
             "config": {
-                # MathJax from the site itself (see fetch_mathjax), not from a CDN.
-                "html_static_path": ["_mathjax"],
+                # MathJax and mermaid from the site itself (see fetch_npm_files), not from a CDN; the
+                # layout that fits the notebooks' code, and the script that draws diagrams (static/).
+                "html_static_path": ["_mathjax", "_minillm"],
                 "mathjax_path": MATHJAX_ENTRY,
+                "html_css_files": ["minillm.css"],
+                "html_js_files": ["diagrams.js"],
                 # myst-nb loads require.js and the widget manager from a CDN when a notebook saved
                 # widget state (tqdm bars do): off; the bars' text output still shows.
                 "nb_ipywidgets_js": {},
@@ -368,44 +376,57 @@ def site_toc(book: Book, parts: dict[str, list[str]]) -> dict[str, Any]:
 
 
 def fetch_mathjax(cache: Path, version: str = MATHJAX_VERSION) -> Path:
-    """MathJax's browser files (the parts of `es5/` in MATHJAX_KEEP), downloaded once and cached.
+    """MathJax's browser files (the parts of `es5/` in MATHJAX_KEEP), downloaded once and cached; the folder
+    holding `tex-chtml.js`."""
+    return fetch_npm_files("mathjax", version, tuple(f"es5/{name}" for name in MATHJAX_KEEP), cache)
 
-    Fetched with `npm pack mathjax@VERSION` from the npm registry into `cache/mathjax-VERSION/`; a
-    later build finds them there and downloads nothing. Returns the folder holding `tex-chtml.js`.
+
+def fetch_mermaid(cache: Path, version: str = MERMAID_VERSION) -> Path:
+    """mermaid's one-file browser build, downloaded once and cached; the folder holding `mermaid.min.js`."""
+    return fetch_npm_files("mermaid", version, ("dist/mermaid.min.js",), cache)
+
+
+def fetch_npm_files(package: str, version: str, keep: tuple[str, ...], cache: Path) -> Path:
+    """Files (or folders) `keep` of an npm package, by their paths in it, downloaded once and cached.
+
+    Fetched with `npm pack PACKAGE@VERSION` from the npm registry into `cache/PACKAGE-VERSION/`, each kept
+    path under its own last name (es5/tex-chtml.js -> tex-chtml.js); a later build finds them there and
+    downloads nothing. Returns that folder.
     """
-    target = cache / f"mathjax-{version}"
-    if (target / "tex-chtml.js").is_file():
+    target = cache / f"{package}-{version}"
+    if (target / Path(keep[0]).name).exists():
         return target
     npm = shutil.which("npm")
     if npm is None:
         raise SiteError(
-            "npm not found: the site serves its own copy of MathJax, fetched once from the npm registry. "
-            "Install Node.js and npm (apt-get install -y npm), or unpack MathJax's es5/ folder into "
-            f"{target}."
+            f"npm not found: the site serves its own copy of {package}, fetched once from the npm registry. "
+            f"Install Node.js and npm (apt-get install -y npm), or put {', '.join(keep)} of {package}@{version} "
+            f"into {target}."
         )
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"fetching mathjax@{version} from the npm registry into {target}", flush=True)
+    print(f"fetching {package}@{version} from the npm registry into {target}", flush=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         done = subprocess.run(
-            [npm, "pack", f"mathjax@{version}", "--silent"], cwd=tmp, capture_output=True, text=True
+            [npm, "pack", f"{package}@{version}", "--silent"], cwd=tmp, capture_output=True, text=True
         )
-        tarballs = list(Path(tmp).glob("mathjax-*.tgz"))
+        tarballs = list(Path(tmp).glob(f"{package}-*.tgz"))
         if done.returncode != 0 or not tarballs:
-            raise SiteError(f"`npm pack mathjax@{version}` failed:\n{done.stdout}{done.stderr}")
+            raise SiteError(f"`npm pack {package}@{version}` failed:\n{done.stdout}{done.stderr}")
         with tarfile.open(tarballs[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith("package/es5/")]
+            wanted = tuple(f"package/{path}" for path in keep)
+            members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, members=members, **safe)
-        es5 = Path(tmp) / "package" / "es5"
         staging = Path(tmp) / "keep"
         staging.mkdir()
-        for name in MATHJAX_KEEP:
-            copy = shutil.copytree if (es5 / name).is_dir() else shutil.copy2
-            copy(es5 / name, staging / name)
+        for path in keep:
+            found = Path(tmp) / "package" / path
+            copy = shutil.copytree if found.is_dir() else shutil.copy2
+            copy(found, staging / found.name)
         try:
             staging.rename(target)  # last, so an interrupted download leaves no half-filled cache
         except OSError:
-            if not (target / "tex-chtml.js").is_file():  # not a build beside this one that got there first
+            if not (target / Path(keep[0]).name).exists():  # not a build beside this one that got there first
                 raise
     return target
 
@@ -424,6 +445,10 @@ def run_sphinx(src: Path, html: Path, doctrees: Path) -> None:
     # even with Thebe off; nothing here uses it, so the site drops it and names no outside script.
     with (src / "conf.py").open("a", encoding="utf-8") as conf:
         conf.write('extensions = [e for e in extensions if e != "sphinx_thebe"]\n')
+        # ```mermaid blocks are diagrams, drawn in the browser (static/diagrams.js): plain text to Pygments,
+        # which has no mermaid lexer (and Sphinx would warn on every diagram).
+        conf.write("def setup(app):\n    from pygments.lexers.special import TextLexer\n\n"
+                   "    app.add_lexer('mermaid', TextLexer)\n")
     for folder in (html, doctrees):
         if folder.exists():
             shutil.rmtree(folder)

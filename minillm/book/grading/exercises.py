@@ -7,8 +7,12 @@ A solution notebook marks each answer with a region inside a function body:
         ...answer...
         # END SOLUTION
 
+A hint longer than a line goes on in comment lines right after the BEGIN line, indented three spaces
+after the `#` (`#   ...more of the hint`), so that no line passes the book's 120 characters.
+
 `make_exercise` replaces each region by `raise NotImplementedError("<the text after the colon>")`
-at the region's indentation, and clears every output, so the exercise notebook is the solution
+at the region's indentation (its message cut into strings on several lines where one line would pass
+120 characters), and clears every output, so the exercise notebook is the solution
 with the answers taken out (and without `# NBVAL_CHECK_OUTPUT` markers: it has no outputs to
 compare). Regions must be indented (inside a function): a blanked answer then
 fails only when the reader's `check(...)` calls it, and the notebook still runs top to bottom.
@@ -24,6 +28,7 @@ import nbformat
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::\s*(?P<what>.*?))?\s*$")
 END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
 DEFAULT_WHAT = "write this part (see the task description above)"
+LINE_LENGTH = 120  # the project's (ruff) and the web book's code width
 GENERATED_NOTE = (
     "*This exercise notebook is generated from `{solution}` by `minillm book exercises`: edit the solution, "
     "not this file. Replace each `raise NotImplementedError(...)` with your code, then run the `check` cell "
@@ -62,10 +67,32 @@ def blank_source(source: str, where: str = "cell") -> tuple[str, int]:
         if j == len(lines):
             raise ExerciseError(f"{where}, line {i + 1}: '# BEGIN SOLUTION' has no '# END SOLUTION' after it.")
         what = m.group("what") or DEFAULT_WHAT
-        out.append(f"{indent}raise NotImplementedError({what!r})")
+        for line in lines[i + 1: j]:  # the hint's continuation lines, "#   more of it"
+            if not line.startswith(f"{indent}#   "):
+                break
+            what += " " + line[len(indent) + 1:].strip()
+        out.extend(raise_lines(indent, what))
         regions += 1
         i = j + 1
     return "\n".join(out), regions
+
+
+def raise_lines(indent: str, what: str, width: int = LINE_LENGTH) -> list[str]:
+    """`raise NotImplementedError("<what>")` at `indent`; where that passes `width` characters, the message
+    is cut at spaces into strings that Python joins, one per line, aligned under the first."""
+    head = f"{indent}raise NotImplementedError("
+    if len(f"{head}{what!r})") <= width:
+        return [f"{head}{what!r})"]
+    pieces, piece = [], ""
+    for word in what.split(" "):
+        if piece and len(head) + len(repr(f"{piece} {word} ")) + 1 > width:
+            pieces.append(piece + " ")
+            piece = word
+        else:
+            piece = f"{piece} {word}" if piece else word
+    pieces.append(piece)
+    return [f"{head if k == 0 else ' ' * len(head)}{p!r}{')' if k == len(pieces) - 1 else ''}"
+            for k, p in enumerate(pieces)]
 
 
 def make_exercise(solution_path: str | Path, solution_name: str | None = None) -> nbformat.NotebookNode:
