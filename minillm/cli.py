@@ -103,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CheckpointError("no model shipped with this install: pass --model PATH to a Hugging Face folder.")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY")
     serve(model_name, args.host, args.port, args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
-          metrics_require_api_key=args.metrics_require_api_key, device=args.device, dtype=args.dtype,
+          metrics_require_api_key=args.metrics_require_api_key, shutdown_timeout=args.shutdown_timeout,
+          max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype,
           quant=args.quant, speculative_model=args.speculative_model,
           num_speculative_tokens=args.num_speculative_tokens, enforce_eager=args.enforce_eager,
           kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="drafts per step with --speculative-model (default 4; chapter 07)")
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
+    srv.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                     help="the largest request body accepted; larger ones get 413 (default 16 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30,
+                     help="seconds open streams get to finish after SIGTERM before the server stops (default 30)")
     srv.set_defaults(func=cmd_serve)
 
     from minillm.bench import add_bench_command

@@ -58,8 +58,11 @@ try:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import BaseModel, Field
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("minillm.server needs FastAPI and uvicorn: pip install 'minillm-book[serve]'") from exc
+
+log = logging.getLogger("minillm")
 
 # The chat template for models whose tokenizer has none (the shipped Shakespeare models): each message
 # as a speaker's turn in a play, which is the only dialogue these models have read. The roles become
@@ -105,6 +108,18 @@ class _Sampling(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    # OpenAI fields this server does not implement yet: refused by name (400), never silently ignored.
+    logprobs: int | bool | None = None
+    top_logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name in ("logprobs", "top_logprobs", "echo", "suffix", "response_format"):
+            if getattr(self, name) not in (None, False):
+                raise APIError(400, f"{name} is not supported by minillm's server yet: leave it out of the request.",
+                               param=name, code="unsupported_parameter")
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         if self.stream and (self.best_of or self.n) != self.n:
@@ -143,9 +158,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -216,6 +233,7 @@ class _Waiter:
     queue: asyncio.Queue
     sequences: int = 1  # best_of: the request is done when this many sequences have finished
     finished: int = 0
+    error: APIError | None = None  # set when the engine failed on a step of this request
 
     @property
     def done(self) -> bool:
@@ -227,6 +245,13 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queue: int) -> None:
         self.engine, self.max_queue = engine, max_queue
+        # The most characters a prompt can have and still fit the context: the context x the longest token's
+        # characters (a byte-level token's string has a character per byte), x 2 for safety. A longer text is
+        # refused before it is tokenised: tokenising megabytes only to refuse them would stall the server.
+        longest = 1
+        if engine.tokenizer is not None:
+            longest = max((len(t) for t in engine.tokenizer.backend.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * engine.model.config.max_seq_len * longest
         self.metrics = Metrics(engine)
         self.waiters: dict[str, _Waiter] = {}
         self.wakeup = asyncio.Event()
@@ -237,12 +262,36 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self.wakeup.clear()
                 await self.wakeup.wait()
-            for out in self.engine.step():
+            self.engine.last_step = None  # set by the step's schedule: who ran in it
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - one failed step must not stop the service
+                self.fail_step(exc)
+                await asyncio.sleep(0)
+                continue
+            for out in outputs:
                 self.metrics.observe(out)
                 waiter = self.waiters.get(out.request_id)
                 if waiter is not None:
                     waiter.queue.put_nowait(out)
             await asyncio.sleep(0)  # let the handlers run: read new requests, send what was produced
+
+    def fail_step(self, exc: Exception) -> None:
+        """The engine raised in a step: fail the requests of that step (all unfinished ones if it failed before
+        choosing them) with a 500 in OpenAI's shape, free their blocks, log it, and keep serving the rest."""
+        plan = self.engine.last_step
+        sequences = [s for s, _ in plan.scheduled] if plan else list(self.engine.scheduler.sequences.values())
+        failed = sorted({s.request_id for s in sequences})
+        log.error("a step of the engine failed (%s: %s); failing its request(s) %s and serving the others",
+                  type(exc).__name__, exc, failed, exc_info=exc)
+        self.engine.abort_request(failed)
+        for request_id in failed:
+            waiter = self.waiters.get(request_id)
+            if waiter is not None:
+                waiter.error = APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                                        "server_error", code="engine_error")
+                waiter.queue.put_nowait(None)
+            self.metrics.finished.labels("error").inc()
 
     def add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, _Waiter]:
         if self.engine.num_unfinished_requests >= self.max_queue:
@@ -276,6 +325,8 @@ class AsyncEngine:
                 out = await asyncio.wait_for(waiter.queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 out = None
+            if waiter.error is not None:
+                raise waiter.error
             if await http.is_disconnected():  # checked at every token, and at least every 0.25 s
                 return
             if out is None:
@@ -288,7 +339,8 @@ class AsyncEngine:
 
 # ---------------------------------------------------------------------- the app
 def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16,
-               api_key: str | None = None, metrics_require_api_key: bool = False) -> FastAPI:
+               api_key: str | None = None, metrics_require_api_key: bool = False,
+               max_body_bytes: int = 16 * 2**20) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name` (see the module docstring). With `api_key`, every /v1/
     route (and /metrics, with metrics_require_api_key) answers 401 unless the request carries
     `Authorization: Bearer <api_key>`."""
@@ -311,6 +363,32 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes, wrong methods, bodies that do not parse (invalid UTF-8, nesting too deep): OpenAI's shape."""
+        if exc.status_code == 404:
+            message = (f"no route {http.url.path}: this server answers /v1/models, /v1/completions, "
+                       "/v1/chat/completions, /health and /metrics.")
+        else:
+            message = f"{exc.detail}: send a JSON body of OpenAI's API, UTF-8 encoded."
+        return APIError(exc.status_code, message, code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "invalid_request")).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return APIError(500, f"the server failed on this request: {type(exc).__name__}", "server_error",
+                        code="internal_error").response()
+
+    @app.middleware("http")
+    async def limit_body(http: Request, call_next: Any) -> Any:
+        """Refuse a body larger than max_body_bytes before reading it (413), by its Content-Length."""
+        length = http.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return APIError(413, f"the request body ({length} bytes) is larger than this server's limit of "
+                                 f"{max_body_bytes:,} bytes: send a shorter prompt.", code="body_too_large").response()
+        return await call_next(http)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -356,7 +434,15 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
 
     async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
         check_model(body.model)
+        body.refuse_unsupported()
         params = body.params(default_max_tokens)
+        if isinstance(prompt, str):
+            if len(prompt) > state.max_prompt_chars:
+                raise APIError(400, f"the prompt has {len(prompt):,} characters, more than the model's context of "
+                                    f"{engine.model.config.max_seq_len} tokens could hold: shorten it.",
+                               param="prompt", code="invalid_prompt")
+            if engine.tokenizer is not None:  # tokenised off the event loop: the other requests keep streaming
+                prompt = await asyncio.to_thread(engine.tokenizer.encode, prompt)
         request_id, waiter = state.add(prompt, params)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -394,6 +480,9 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
                                   else {"index": out.index, "text": out.new_text, "logprobs": None})
                         yield _sse(request_id, kind + (".chunk" if chat else ""), created, model_name,
                                    choice | {"finish_reason": out.finish_reason if out.finished else None})
+                yield "data: [DONE]\n\n"
+            except APIError as exc:  # the engine failed on this request: say so in the stream, then end it
+                yield f"data: {json.dumps(exc.body())}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # also when the client disconnects mid-stream (the generator is closed)
                 state.release(request_id)
@@ -465,20 +554,24 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
           api_key: str | None = None, served_model_name: str | None = None,
-          metrics_require_api_key: bool = False, **engine_options: Any) -> None:
+          metrics_require_api_key: bool = False, shutdown_timeout: float | None = 30,
+          max_body_bytes: int = 16 * 2**20, **engine_options: Any) -> None:
     """Serve `model` (a shipped name or a folder) until interrupted (`minillm serve`): the engine from
     `build_engine(model, **engine_options)`, as `served_model_name` (default: the folder's name), asking
-    for `api_key` on /v1/ routes if given. Warns when a non-loopback address is served without a key."""
+    for `api_key` on /v1/ routes if given. Warns when a non-loopback address is served without a key. On SIGTERM
+    (or Ctrl-C) the open streams get `shutdown_timeout` seconds to finish (None: as long as they take)."""
     import uvicorn
 
     engine = build_engine(model, **engine_options)
     name = served_model_name or str(model).rstrip("/").split("/")[-1]
-    app = create_app(engine, name, max_queue, api_key=api_key, metrics_require_api_key=metrics_require_api_key)
+    app = create_app(engine, name, max_queue, api_key=api_key, metrics_require_api_key=metrics_require_api_key,
+                     max_body_bytes=max_body_bytes)
     if api_key is None and not is_loopback(host):
-        logging.getLogger("minillm").warning(
+        log.warning(
             "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
             "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    # On SIGTERM, open streams get shutdown_timeout seconds to finish; then the server stops anyway.
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout)
 
 
 @contextlib.contextmanager

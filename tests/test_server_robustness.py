@@ -1,0 +1,149 @@
+"""No single request can take `minillm serve` down, and every error it returns is in OpenAI's shape (issue 28).
+
+Each probe was a way to stop the service at c2e1d62: a parameter the engine cannot hold (top_k or seed of 2**70)
+killed the engine's background loop, a 47 MB prompt blocked the event loop while it was tokenised, and some
+errors came back as FastAPI's {"detail": ...}. After each probe here the server must answer /health, hold no
+request and no KV block, and serve the next request.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests call it with the official openai client")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import minillm  # noqa: E402
+from minillm.engine import LLMEngine  # noqa: E402
+from minillm.server import create_app, serve  # noqa: E402
+
+MODEL = "shakespeare-1m"
+BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tok = minillm.load(MODEL)
+    engine = LLMEngine(model, tok, max_num_seqs=8, max_num_batched_tokens=128)
+    app = create_app(engine, MODEL, max_queue=32, max_body_bytes=BODY_LIMIT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    yield SimpleNamespace(url=url, engine=engine, state=app.state.engine,
+                          client=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60))
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def assert_still_serving(server) -> None:
+    """The server answers /health, holds no request and no KV block, and completes a request."""
+    deadline = time.time() + 20
+    while server.engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").status_code == 200, "the engine loop stopped"
+    assert not server.engine.has_unfinished_requests() and server.engine.cache.allocator.num_used_blocks == 0
+    done = server.client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens == 4
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, f"not OpenAI's error shape: {response.text}"
+    if param is not None:
+        assert error["param"] == param or param in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize("field", ["top_k", "seed"])
+def test_a_parameter_the_engine_cannot_hold_is_refused_before_anything_is_queued(server, field):
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "A", field: 2**70})
+    error = assert_openai_error(response, 400)
+    assert field in error["message"], f"the error must name {field}: {error['message']}"
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("body, content_type", [
+    (b'{"model": "shakespeare-1m", "prompt": "\xff\xfe"}', "application/json"),  # not UTF-8
+    (b"[" * 10_000 + b"]" * 10_000, "application/json"),  # nested deeper than a parser's recursion
+    (b"not json", "application/json"),
+])
+def test_bodies_that_do_not_parse_get_a_400_in_openais_shape(server, body, content_type):
+    response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+    assert_openai_error(response, 400)
+    assert_still_serving(server)
+
+
+def test_unknown_routes_and_methods_get_openais_shape(server):
+    assert "no route" in assert_openai_error(httpx.get(server.url + "/v1/embeddings"), 404)["message"]
+    assert_openai_error(httpx.get(server.url + "/v1/completions"), 405)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    prompt = "ROMEO. " * (BODY_LIMIT // 7 + 10)
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert "limit" in assert_openai_error(response, 413)["message"]
+    assert_still_serving(server)
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenising(server, monkeypatch):
+    tokenizer = server.engine.tokenizer
+    lengths = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: lengths.append(len(text)) or encode(text, *a, **k))
+    prompt = "x" * (server.state.max_prompt_chars + 1)  # under the body limit: refused by its length alone
+    assert len(prompt) < BODY_LIMIT
+    error = assert_openai_error(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}),
+                                400, "prompt")
+    assert "context" in error["message"] and len(prompt) not in lengths, "refused without tokenising it"
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("suffix", "END"),
+                                          ("response_format", {"type": "json_object"}), ("top_logprobs", 3)])
+def test_openai_fields_not_implemented_are_refused_by_name_not_ignored(server, field, value):
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "A", field: value})
+    assert assert_openai_error(response, 400)["param"] == field
+
+
+def test_a_step_that_fails_fails_its_requests_only_and_the_server_goes_on(server, monkeypatch, caplog):
+    """A request whose step raises (here: seed 13 makes the sampler fail) gets a 500 in OpenAI's shape, or an error
+    event when streaming; a request beside it is unharmed, the failure is logged, and the loop keeps serving."""
+    runner = server.engine.model_runner
+    sample = runner.sample
+
+    def poisoned(seqs, logits):
+        if any(s.params.seed == 13 for s in seqs):
+            raise RuntimeError("poisoned step")
+        return sample(seqs, logits)
+
+    monkeypatch.setattr(runner, "sample", poisoned)
+    with pytest.raises(openai.InternalServerError) as err:
+        server.client.completions.create(model=MODEL, prompt="A", max_tokens=4, seed=13)
+    assert err.value.body["code"] == "engine_error" and "poisoned step" in err.value.body["message"]
+    stream = httpx.post(server.url + "/v1/completions",
+                        json={"model": MODEL, "prompt": "A", "max_tokens": 4, "seed": 13, "stream": True})
+    assert '"engine_error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
+    assert "poisoned step" in caplog.text, "the failure is logged on the minillm logger"
+    assert_still_serving(server)
+
+
+def test_shutdown_timeout_bounds_the_drain(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))  # no socket is opened
+    serve(MODEL, shutdown_timeout=2.5)
+    assert seen["timeout_graceful_shutdown"] == 2.5 and seen["host"] == "127.0.0.1"
