@@ -110,8 +110,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.temperature = _check_real("temperature", self.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)")
-        self.top_k = _check_int("top_k", self.top_k, lambda v: 0 <= v < 2**31,
-                                "in [0, 2**31) (0 = off; more than the vocabulary keeps every token)")
+        self.top_k = _check_int("top_k", self.top_k, lambda v: v >= 0, ">= 0 (0 = off)")
+        if self.top_k >= 2**31:  # the engine holds it in a tensor; any k past the vocabulary keeps every token
+            raise ValueError(f"top_k must be below 2**31, got {self.top_k}; any k past the vocabulary keeps every "
+                             "token, so pass the vocabulary size, or 0 for off.")
         self.top_p = _check_real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
         self.min_p = _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
         self.repetition_penalty = _check_real(
@@ -121,8 +123,9 @@ class SamplingParams:
             setattr(self, name, _check_real(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"))
         self.max_tokens = _check_int("max_tokens", self.max_tokens, lambda v: v >= 1, ">= 1")
         if self.seed is not None:
-            # torch's generators take seeds in [-2**63, 2**64); sequence i of a request samples with seed + i
-            self.seed = _check_int("seed", self.seed, lambda v: -(2**63) <= v < 2**63, "in [-2**63, 2**63) or None")
+            self.seed = _check_int("seed", self.seed, lambda v: True, "or None")
+            if not -(2**63) <= self.seed < 2**63:  # torch's generators take [-2**63, 2**64); sequence i uses seed + i
+                raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}.")
         self.n = _check_int("n", self.n, lambda v: v >= 1, ">= 1")
         if self.best_of is not None:
             self.best_of = _check_int(
