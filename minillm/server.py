@@ -22,6 +22,17 @@ that speaks it work unchanged:
 Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
 
+What OpenAI clients send is implemented or refused by name, never silently ignored: `logprobs` (and chat's
+`top_logprobs`) return the engine's log-probabilities in each API's shape; `echo` puts the prompt before the
+completion; `response_format` {"type": "json_schema", ...} constrains the output to the schema with minillm's
+constrained decoding (chapter 01; each schema is compiled once, off the event loop). `suffix`, `json_object`
+and `echo` with `logprobs` get a 400 that says so.
+
+No single request can stop the service: parameters are checked against what the engine holds before anything
+is queued; a step that raises fails only the requests in it (a 500, or an error event when streaming) and is
+logged on the `minillm` logger; bodies over `max_body_bytes` get a 413 before they are read, a prompt longer
+than the context could hold a 400 before it is tokenised, and tokenising runs off the event loop.
+
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
 JSON or fields (400), a missing or wrong API key (401), an unknown model (404), a prompt longer than
 the context (400), a full queue (429). A client that disconnects aborts its request, and the request's
@@ -49,6 +60,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from minillm.constrained import TokenIndex
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
@@ -108,18 +120,31 @@ class _Sampling(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     user: str | None = None
-    # OpenAI fields this server does not implement yet: refused by name (400), never silently ignored.
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    # {"type": "text"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}: the output is
+    # constrained to the schema (chapter 01). {"type": "json_object"} (any JSON) needs a grammar, not a regex.
     response_format: dict | None = None
 
-    def refuse_unsupported(self) -> None:
-        for name in ("logprobs", "top_logprobs", "echo", "suffix", "response_format"):
-            if getattr(self, name) not in (None, False):
-                raise APIError(400, f"{name} is not supported by minillm's server yet: leave it out of the request.",
-                               param=name, code="unsupported_parameter")
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs for this request: how many alternatives per token, None for no logprobs."""
+        return None
+
+    def json_schema(self) -> dict | None:
+        """The schema the output must follow, from response_format; None for free text."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., '
+                                    '"schema": {...}}}.', param="response_format", code="invalid_value")
+            return schema
+        if kind == "json_object":
+            raise APIError(400, "response_format json_object (any JSON) is not supported: minillm's constrained "
+                                "decoding follows a schema; pass {\"type\": \"json_schema\", ...}.",
+                           param="response_format", code="unsupported_parameter")
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_schema.",
+                       param="response_format", code="invalid_value")
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         if self.stream and (self.best_of or self.n) != self.n:
@@ -132,6 +157,7 @@ class _Sampling(BaseModel):
                 top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, stop=stop,
                 seed=self.seed, ignore_eos=self.ignore_eos, n=self.n, best_of=self.best_of,
+                logprobs=self.num_logprobs(),
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
@@ -139,6 +165,19 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="log-probabilities of the chosen token "
+                                 "and of this many alternatives per token")
+    echo: bool = False  # the prompt before the completion, in the response's text
+    suffix: str | None = None  # OpenAI's legacy insert mode: not supported, refused by name
+
+    def num_logprobs(self) -> int | None:
+        if self.suffix is not None:
+            raise APIError(400, "suffix (insert mode) is not supported: leave it out.", param="suffix",
+                           code="unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which this server "
+                                "does not compute: drop one of them.", param="echo", code="unsupported_parameter")
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -148,6 +187,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # each output token's log-probability
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per token, with logprobs")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class APIError(Exception):
@@ -252,6 +298,7 @@ class AsyncEngine:
         if engine.tokenizer is not None:
             longest = max((len(t) for t in engine.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = 2 * engine.model.config.max_seq_len * longest
+        self.constraints: dict[str, TokenIndex] = {}  # compiled response_format schemas, by their JSON
         self.metrics = Metrics(engine)
         self.waiters: dict[str, _Waiter] = {}
         self.wakeup = asyncio.Event()
@@ -293,13 +340,35 @@ class AsyncEngine:
                 waiter.queue.put_nowait(None)
             self.metrics.finished.labels("error").inc()
 
-    def add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, _Waiter]:
+    async def constraint(self, schema: dict | None) -> TokenIndex | None:
+        """The token index of a JSON schema (chapter 01), built off the event loop and kept for the next request
+        with the same schema; None for free text. A schema minillm cannot turn into a pattern is a 400."""
+        if schema is None:
+            return None
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self.constraints:
+            if self.engine.tokenizer is None:
+                raise APIError(400, "response_format needs the model's tokenizer, and this model has none.",
+                               param="response_format", code="unsupported_parameter")
+            try:
+                index = await asyncio.to_thread(TokenIndex.from_constraint, schema, self.engine.tokenizer,
+                                                self.engine.model.config.eos_token_ids)
+            except (ValueError, RecursionError) as exc:
+                raise APIError(400, f"response_format json_schema: {exc}", param="response_format",
+                               code="invalid_value") from exc
+            if len(self.constraints) >= 64:  # a few compiled schemas at most: drop the oldest
+                self.constraints.pop(next(iter(self.constraints)))
+            self.constraints[key] = index
+        return self.constraints[key]
+
+    def add(self, prompt: str | list[int], params: SamplingParams,
+            constraint: TokenIndex | None = None) -> tuple[str, _Waiter]:
         if self.engine.num_unfinished_requests >= self.max_queue:
             raise APIError(429, f"the server already holds {self.max_queue} unfinished requests (its queue limit); "
                                 "retry later.", "rate_limit_exceeded", code="queue_full")
         request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, constraint=constraint)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
         waiter = self.waiters[request_id] = _Waiter(asyncio.Queue(), params.best_of or params.n)
@@ -434,19 +503,33 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
 
     async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
         check_model(body.model)
-        body.refuse_unsupported()
         params = body.params(default_max_tokens)
+        constraint = await state.constraint(body.json_schema())
+        echo = getattr(body, "echo", False)
         if isinstance(prompt, str):
             if len(prompt) > state.max_prompt_chars:
                 raise APIError(400, f"the prompt has {len(prompt):,} characters, more than the model's context of "
                                     f"{engine.model.config.max_seq_len} tokens could hold: shorten it.",
                                param="prompt", code="invalid_prompt")
+            prompt_text = prompt
             if engine.tokenizer is not None:  # tokenised off the event loop: the other requests keep streaming
                 prompt = await asyncio.to_thread(engine.tokenizer.encode, prompt)
-        request_id, waiter = state.add(prompt, params)
+        else:
+            prompt_text = engine.tokenizer.decode(prompt) if echo and engine.tokenizer is not None else ""
+        request_id, waiter = state.add(prompt, params, constraint)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         n_prompt = state.num_prompt_tokens(request_id)
+        wanted = params.logprobs is not None
+
+        def logprobs_of(out: RequestOutput, first: int, offset: int) -> dict | None:
+            """The logprobs object of out's tokens from index `first` on (chat's or completions' shape)."""
+            if not wanted:
+                return None
+            ids, lps, tops = out.token_ids[first:], out.logprobs[first:], out.top_logprobs[first:]
+            if chat:
+                return chat_logprobs(engine.tokenizer, ids, lps, tops)
+            return completion_logprobs(engine.tokenizer, ids, lps, tops, offset)
 
         if not body.stream:
             finals: list[RequestOutput] = []
@@ -460,8 +543,12 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
                 return JSONResponse({}, status_code=499)  # the client went away: nobody reads this
             choices = []
             for i, out in enumerate(n_best_by_logprob(finals, params.n)):
-                choice = ({"index": i, "message": {"role": "assistant", "content": out.text}} if chat
-                          else {"index": i, "text": out.text, "logprobs": None})
+                if chat:
+                    choice = {"index": i, "message": {"role": "assistant", "content": out.text}}
+                    choice |= {"logprobs": logprobs_of(out, 0, 0)} if wanted else {}
+                else:
+                    text = prompt_text + out.text if echo else out.text
+                    choice = {"index": i, "text": text, "logprobs": logprobs_of(out, 0, 0)}
                 choices.append(choice | {"finish_reason": out.finish_reason})
             generated = sum(len(out.token_ids) for out in finals)  # all best_of sequences were computed
             return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices,
@@ -469,16 +556,27 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
                               "total_tokens": n_prompt + generated}}
 
         async def events() -> AsyncIterator[str]:
+            chunk_kind = kind + (".chunk" if chat else "")
+            offsets = dict.fromkeys(range(params.n), 0)  # completions' text_offset, per choice
             try:
-                if chat:  # the first chunk names the role, as OpenAI's does
-                    for i in range(params.n):
-                        yield _sse(request_id, kind + ".chunk", created, model_name,
+                for i in range(params.n):  # chat's first chunk names the role, as OpenAI's does; echo's is the prompt
+                    if chat:
+                        yield _sse(request_id, chunk_kind, created, model_name,
                                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                    elif echo:
+                        yield _sse(request_id, chunk_kind, created, model_name,
+                                   {"index": i, "text": prompt_text, "logprobs": None, "finish_reason": None})
                 async for out in state.outputs(request_id, waiter, http):  # choice i: the request's sequence i
-                    if out.new_text or out.finished:
-                        choice = ({"index": out.index, "delta": {"content": out.new_text}} if chat
-                                  else {"index": out.index, "text": out.new_text, "logprobs": None})
-                        yield _sse(request_id, kind + (".chunk" if chat else ""), created, model_name,
+                    if out.new_text or out.finished or (wanted and out.new_token_ids):
+                        first = len(out.token_ids) - len(out.new_token_ids)
+                        lp = logprobs_of(out, first, offsets.get(out.index, 0))
+                        offsets[out.index] = offsets.get(out.index, 0) + len(out.new_text)
+                        if chat:
+                            choice = {"index": out.index, "delta": {"content": out.new_text}}
+                            choice |= {"logprobs": lp} if wanted else {}
+                        else:
+                            choice = {"index": out.index, "text": out.new_text, "logprobs": lp}
+                        yield _sse(request_id, chunk_kind, created, model_name,
                                    choice | {"finish_reason": out.finish_reason if out.finished else None})
                 yield "data: [DONE]\n\n"
             except APIError as exc:  # the engine failed on this request: say so in the stream, then end it
@@ -499,6 +597,34 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
         return await run(body, prompt, http, chat=True)
 
     return app
+
+
+def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
+    """How each token reads on its own (OpenAI's "token"): a byte-level piece may be half a character (then it
+    shows as U+FFFD); without a tokenizer, the id."""
+    if tokenizer is None:
+        return [str(i) for i in ids]
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def completion_logprobs(tokenizer: Any, ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
+                        offset: int) -> dict:
+    """The completions API's logprobs object: tokens, token_logprobs, top_logprobs ({token: logprob}, the most
+    likely first), text_offset (each token's start in the choice's text, from `offset`)."""
+    tokens = token_strings(tokenizer, ids)
+    starts = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": starts,
+            "top_logprobs": [dict(zip(token_strings(tokenizer, list(top)), top.values())) for top in tops]}
+
+
+def chat_logprobs(tokenizer: Any, ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> dict:
+    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}, ...]}, ...]}."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(text, lp) | {"top_logprobs": [entry(t, v) for t, v in zip(token_strings(
+        tokenizer, list(top)), top.values())]} for text, lp, top in zip(token_strings(tokenizer, ids), logprobs, tops)]}
 
 
 def _sse(request_id: str, kind: str, created: int, model: str, choice: dict) -> str:

@@ -113,11 +113,67 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenisin
     assert_still_serving(server)
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("suffix", "END"),
-                                          ("response_format", {"type": "json_object"}), ("top_logprobs", 3)])
-def test_openai_fields_not_implemented_are_refused_by_name_not_ignored(server, field, value):
-    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "A", field: value})
+@pytest.mark.parametrize("endpoint, field, value", [
+    ("completions", "suffix", "END"),
+    ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "response_format", {"type": "json_schema"}),
+    ("completions", "response_format", {"type": "xml"}),
+    ("chat/completions", "top_logprobs", 3),  # without logprobs: true
+])
+def test_openai_fields_not_implemented_are_refused_by_name_not_ignored(server, endpoint, field, value):
+    body = {"model": MODEL, "prompt": "A", "messages": [{"role": "user", "content": "A"}], field: value}
+    response = httpx.post(server.url + f"/v1/{endpoint}", json=body)
     assert assert_openai_error(response, 400)["param"] == field
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "A", "echo": True,
+                                                                 "logprobs": 1})
+    assert "echo" in assert_openai_error(response, 400)["message"], "echo needs the prompt's logprobs: refused"
+
+
+def test_logprobs_are_the_engines_in_openais_shapes_streaming_or_not(server):
+    from minillm.sampling import SamplingParams
+
+    offline = minillm.engine.LLM(server.engine.model, server.engine.tokenizer).generate(
+        "ROMEO.\n", SamplingParams(max_tokens=6, temperature=0, logprobs=2), use_tqdm=False)[0]
+    done = server.client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=6, temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(offline.logprobs, abs=1e-4)
+    assert len(lp.tokens) == 6 and all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == done.choices[0].text
+    streamed = [c.choices[0].logprobs for c in server.client.completions.create(
+        model=MODEL, prompt="ROMEO.\n", max_tokens=6, temperature=0, logprobs=2, stream=True) if c.choices[0].logprobs]
+    assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(offline.logprobs, abs=1e-4)
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}],
+                                                 max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-5), "greedy: top-1 chosen"
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_echo_puts_the_prompt_before_the_completion(server):
+    done = server.client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=5, temperature=0, echo=True)
+    plain = server.client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=5, temperature=0)
+    assert done.choices[0].text == "ROMEO.\n" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model=MODEL, prompt="ROMEO.\n", max_tokens=5, temperature=0, echo=True, stream=True))
+    assert streamed == done.choices[0].text
+
+
+def test_response_format_json_schema_constrains_the_output(server):
+    import json
+
+    schema = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}, "loud": {"type": "boolean"}},
+              "required": ["mood", "loud"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}
+    for _ in range(2):  # the second request reuses the compiled schema
+        chat = server.client.chat.completions.create(model=MODEL, max_tokens=40, temperature=1.0, seed=3,
+                                                     messages=[{"role": "user", "content": "How art thou?"}],
+                                                     response_format=response_format)
+        value = json.loads(chat.choices[0].message.content)
+        assert value["mood"] in ("merry", "sad") and isinstance(value["loud"], bool)
+        assert chat.choices[0].finish_reason == "stop"
+    assert len(server.state.constraints) == 1
+    assert_still_serving(server)
 
 
 def test_a_step_that_fails_fails_its_requests_only_and_the_server_goes_on(server, monkeypatch, caplog):
