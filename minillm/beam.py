@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -223,8 +224,13 @@ class BeamSearch:
         return best
 
 
-def _check_arguments(num_beams: int, max_tokens: int, n: int, early_stopping: EarlyStopping) -> None:
+def _check_arguments(num_beams: int, max_tokens: int, n: int, early_stopping: EarlyStopping,
+                     length_penalty: float = 1.0) -> None:
     """ValueError naming the argument, its allowed values and what was given."""
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
+            or not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number (1 = average log-probability, 0 = sum), got "
+                         f"{length_penalty!r}.")
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}.")
     if max_tokens < 1:
@@ -270,7 +276,7 @@ def beam_search(
         >>> best = beam_search(model, "ROMEO.\\n", num_beams=4, max_tokens=20, tokenizer=tok)[0]
         >>> best.text, best.score
     """
-    _check_arguments(num_beams, max_tokens, n, early_stopping)
+    _check_arguments(num_beams, max_tokens, n, early_stopping, length_penalty)
     ids = prepare_prompt(model, prompt, SamplingParams(max_tokens=max_tokens), tokenizer)
     eos = eos_token_ids if eos_token_ids is not None else default_eos_ids(model, tokenizer)
     search = BeamSearch(model, ids, num_beams, max_tokens, length_penalty, early_stopping, eos, kv_cache_dtype)

@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read our output went away (`minillm generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the final flush cannot fail again
+        return 141  # 128 + SIGPIPE, as a shell tool ends
 
 
 if __name__ == "__main__":

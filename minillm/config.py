@@ -25,6 +25,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+# The Hugging Face config.json name of each field, for error messages.
+HF_NAMES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+            "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
+
+
 class ConfigError(ValueError):
     """A config that minillm cannot build a model from; the message says what to change."""
 
@@ -88,9 +94,16 @@ class ModelConfig:
                     "set head_dim explicitly."
                 )
             self.head_dim = self.dim // self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}: fix config.json "
+                                  f"({HF_NAMES.get(name, name)}).")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}: fix config.json "
+                                  f"({HF_NAMES.get(name, name)}).")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
@@ -170,7 +183,7 @@ class ModelConfig:
             ffn_dim=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=float(theta),
+            rope_theta=theta if isinstance(theta, bool) or not isinstance(theta, (int, float)) else float(theta),
             rope_scaling=scaling,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

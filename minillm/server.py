@@ -658,11 +658,7 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
             drafter = NgramDrafter()
         else:
             draft, _ = load(speculative_model, device=device, dtype=llm.dtype)
-            if draft.config.vocab_size != llm.config.vocab_size:
-                raise ValueError(f"the draft model {speculative_model!r} has a vocabulary of {draft.config.vocab_size} "
-                                 f"tokens and the served model {llm.config.vocab_size}: a draft must share the "
-                                 "target's tokenizer. Choose a draft of the same family, or [ngram].")
-            drafter = DraftModelDrafter(draft)
+            drafter = DraftModelDrafter(draft)  # LLMEngine refuses a draft of another vocabulary
         speculative = SpeculativeConfig(drafter, k)
     cuda_graphs = False if enforce_eager else None
     return LLMEngine(llm, tokenizer, speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs)

@@ -25,8 +25,14 @@ class Tokenizer:
     def from_file(
         cls, path: str | Path, bos_token_id: int | None = None, eos_token_ids: list[int] | None = None
     ) -> Tokenizer:
-        """Load `tokenizer.json`; special-token ids usually come from the model's config."""
-        return cls(HFTokenizer.from_file(str(path)), bos_token_id, eos_token_ids)
+        """Load `tokenizer.json`; special-token ids usually come from the model's config. A file the `tokenizers`
+        library cannot read is a ValueError naming it."""
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{path} is not a tokenizer.json the `tokenizers` library can read ({exc}): replace it "
+                             "with the model's own tokenizer.json.") from exc
+        return cls(backend, bos_token_id, eos_token_ids)
 
     @property
     def backend(self) -> HFTokenizer:

@@ -128,7 +128,7 @@ def other_vocabulary(tmp_path_factory):
     (["--num-speculative-tokens", "3"], "needs --speculative-model"),
     (["--num-blocks", "10", "--kv-cache-memory-bytes", "1e6"], "one way"),
     (["--metrics-require-api-key"], "needs an API key"),
-    (["--speculative-model", "OTHER"], "vocabulary of 123 tokens"),
+    (["--speculative-model", "OTHER"], "vocabulary has 123 tokens"),
 ])
 def test_impossible_combinations_end_with_one_line(flags, says, other_vocabulary, capsys, monkeypatch):
     monkeypatch.delenv("MINILLM_API_KEY", raising=False)

@@ -108,6 +108,9 @@ class TokenIndex:
     ) -> TokenIndex:
         """A regex (str) or a JSON schema (dict) -> its index over `tokenizer`'s vocabulary; EOS is any
         of `eos_token_ids` and the tokenizer's own."""
+        if not isinstance(constraint, (str, dict)):
+            raise TypeError(f"a constraint is a regex (str) or a JSON schema (dict), got {type(constraint).__name__} "
+                            f"{constraint!r}.")
         pattern = schema_to_regex(constraint) if isinstance(constraint, dict) else constraint
         eos = set(eos_token_ids) | set(tokenizer.eos_token_ids)
         if not eos:

@@ -133,6 +133,11 @@ class LLMEngine:
         kv_cache_memory_bytes: float | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        draft = getattr(speculative.drafter, "model", None) if speculative is not None else None
+        if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the target's "
+                             f"{model.config.vocab_size}: a draft must share the target's tokenizer (its proposals "
+                             "are the target's token ids). Use a draft of the same family, or an NgramDrafter.")
         self.speculative = speculative
         self.spec_stats = SpeculativeStats()
         check_kv_cache_dtype(kv_cache_dtype)

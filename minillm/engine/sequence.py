@@ -19,6 +19,7 @@ one (`default_eos_ids`), and the stop-string matcher that cuts its text (`StopSt
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -197,14 +198,24 @@ class Sequence:
 
 
 def prepare_prompt(
-    model: Transformer, prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer | None
+    model: Transformer, prompt: str | list[int] | torch.Tensor, params: SamplingParams, tokenizer: Tokenizer | None
 ) -> list[int]:
-    """Prompt -> ids, checked: not empty, ids in the vocabulary, and room for max_tokens."""
+    """Prompt (text, int ids, or a 1-D integer tensor) -> ids, checked: ints (no float or bool), not empty, in the
+    vocabulary, and room for max_tokens."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass tokenizer=..., or pass token ids.")
         ids = tokenizer.encode(prompt)
     else:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
+                raise ValueError(f"a prompt tensor must hold one sequence of integer token ids (1-D), got shape "
+                                 f"{list(prompt.shape)} of {prompt.dtype}: pass prompt[0] for a batch of one.")
+            prompt = prompt.tolist()
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints, got {bad[:3]!r} ({type(bad[0]).__name__}): pass a text "
+                             "prompt, or a list of int ids (a float is never rounded to an id for you).")
         ids = [int(t) for t in prompt]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token.")
