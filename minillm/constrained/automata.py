@@ -8,6 +8,7 @@ state for every byte; DEAD marks the strings that can no longer be completed int
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -15,7 +16,11 @@ import numpy as np
 from minillm.constrained.regex import Alt, Chars, Concat, Node, Repeat, parse_regex, utf8_sequences
 
 DEAD = -1  # the state of every string that can no longer be completed into a match
+# The construction budget, enforced while the automaton is built (not after): a pattern past it gets a
+# ValueError that says which part is too large, instead of minutes of work and gigabytes of memory.
+MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 20_000
+MAX_COMPILE_SECONDS = 10.0
 
 
 # ====================================================================== Thompson: syntax tree -> NFA over bytes
@@ -33,6 +38,8 @@ class NFA:
         self.start, self.accept = self.build(tree)
 
     def new_state(self) -> int:
+        if len(self.edges) >= MAX_NFA_STATES:
+            raise ValueError(f"the pattern's automaton passes {MAX_NFA_STATES:,} states; simplify it.")
         self.edges.append([])
         self.eps.append([])
         return len(self.edges) - 1
@@ -73,17 +80,29 @@ class NFA:
         return fragments[0][0], fragments[-1][1]
 
     def build_repeat(self, node: Repeat) -> tuple[int, int]:
-        """x{m,n} = m copies of x, then n-m optional copies (each may skip to the end); x{m,} ends in x*."""
-        fragments = [self.build(node.node) for _ in range(node.lo)]
+        """x{m,n} = m copies of x, then n-m optional copies (each may skip to the end); x{m,} ends in x*.
+
+        The first copy's size tells what all of them will take: past the budget, the error names the repeat."""
+        before = len(self.edges)
+        first = self.build(node.node)
+        copies = max(node.lo, 1) + (1 if node.hi is None else node.hi - max(node.lo, 1))
+        need = (len(self.edges) - before) * copies
+        if before + need > MAX_NFA_STATES:
+            bounds = f"{{{node.lo},{'' if node.hi is None else node.hi}}}"
+            raise ValueError(f"a repeat {bounds} of a part that takes {len(self.edges) - before:,} automaton states "
+                             f"would take about {need:,}, past the budget of {MAX_NFA_STATES:,}: lower the repeat "
+                             "count, or narrow what it repeats.")
+        fragments = [first] if node.lo else []
+        fragments += [self.build(node.node) for _ in range(node.lo - len(fragments))]
         start, end = self.build_concat(fragments)
         exit_ = self.new_state()
         if node.hi is None:  # a loop: x* after the mandatory copies
-            s, e = self.build(node.node)
+            s, e = first if not node.lo else self.build(node.node)
             self.eps[end].extend([s, exit_])
             self.eps[e].extend([s, exit_])
             return start, exit_
-        for _ in range(node.hi - node.lo):
-            s, e = self.build(node.node)
+        for k in range(node.hi - node.lo):
+            s, e = first if (k == 0 and not node.lo) else self.build(node.node)
             self.eps[end].extend([s, exit_])
             end = e
         self.eps[end].append(exit_)
@@ -109,15 +128,25 @@ class NFA:
 
 
 # ====================================================================== subset construction: NFA -> DFA
-def determinise(nfa: NFA) -> tuple[np.ndarray, np.ndarray]:
+def over_budget(deadline: float | None, what: str) -> None:
+    """Raise the construction budget's ValueError if `deadline` (a time.perf_counter() value) has passed."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise ValueError(f"compiling the pattern took over {MAX_COMPILE_SECONDS:g} s ({what}): simplify it; long "
+                         "repeats of wide character classes (like [^x]{1000}) are the usual cause.")
+
+
+def determinise(nfa: NFA, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Subset construction. Returns transitions [S, 256] (DEAD where no NFA state survives) and
-    accepting [S] bool; DFA state 0 is the start. Each DFA state is a set of NFA states."""
+    accepting [S] bool; DFA state 0 is the start. Each DFA state is a set of NFA states. Raises a
+    ValueError past MAX_DFA_STATES states or the `deadline` (see `over_budget`)."""
     class_of = nfa.byte_classes()
     n_classes = int(class_of.max()) + 1
     start = nfa.closure([nfa.start])
     ids = {start: 0}
     todo, rows = [start], []
     while todo:
+        if len(rows) % 64 == 0:
+            over_budget(deadline, f"{len(ids):,} DFA states so far")
         subset = todo.pop()
         targets: list[set[int]] = [set() for _ in range(n_classes)]
         for s in subset:
@@ -177,24 +206,26 @@ def renumber(table: np.ndarray, accepting: np.ndarray, start: int = 0) -> tuple[
     return mapping[table[order]], accepting[order]
 
 
-def minimise(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def minimise(table: np.ndarray, accepting: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Moore's partition refinement: merge states no input string can tell apart.
 
     Start from two blocks (accepting or not); split a block whenever two of its states move, on some
     byte, into different blocks. When no block splits, each block is one state of the minimal DFA.
-    Bytes that every state treats alike (the same column of the table) need checking only once.
+    Bytes that every state treats alike (the same column of the table) need checking only once. Each round
+    groups the states by their signature rows with one `np.unique` (a sort), not a Python dict of tuples.
     """
     columns = np.unique(table, axis=1)  # [S, distinct bytes]
     block = accepting.astype(np.int64)
-    n_blocks = len(set(block.tolist()))
+    n_blocks = len(np.unique(block))
     while True:
+        over_budget(deadline, f"minimising {len(table):,} DFA states")
         moved = np.where(columns >= 0, block[np.maximum(columns, 0)], DEAD)  # the block each byte leads to
-        signatures: dict[tuple, int] = {}  # (own block, target blocks) -> new block id
-        rows = np.concatenate([block[:, None], moved], axis=1).tolist()
-        block = np.array([signatures.setdefault(tuple(row), len(signatures)) for row in rows])
-        if len(signatures) == n_blocks:  # refining only splits blocks: same count = nothing split
+        signatures = np.concatenate([block[:, None], moved], axis=1)  # (own block, target blocks) per state
+        _, block = np.unique(signatures, axis=0, return_inverse=True)
+        block = block.reshape(-1)
+        if block.max() + 1 == n_blocks:  # refining only splits blocks: same count = nothing split
             break
-        n_blocks = len(signatures)
+        n_blocks = int(block.max()) + 1
     first = np.unique(block, return_index=True)[1]  # one representative state per block
     merged = np.where(table[first] >= 0, block[np.maximum(table[first], 0)], DEAD)  # [blocks, 256]
     return renumber(merged, accepting[first], start=int(block[0]))
@@ -214,8 +245,9 @@ class RegexDFA:
 
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
-        table, accepting = determinise(NFA(parse_regex(pattern)))
-        self.transitions, self.accepting = minimise(*prune_dead(table, accepting))
+        deadline = time.perf_counter() + MAX_COMPILE_SECONDS  # the construction budget's time part
+        table, accepting = determinise(NFA(parse_regex(pattern)), deadline)
+        self.transitions, self.accepting = minimise(*prune_dead(table, accepting), deadline)
         self._rows = self.transitions.tolist()  # plain lists: fast stepping from Python
         self.start = 0
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 MAX_CODE_POINT = 0x10FFFF
 MAX_REPEAT = 1000  # the largest {m,n} bound we unroll; larger ones would make huge automata
+MAX_NESTING = 50  # groups within groups: the parser and the NFA builder recurse once per level
 
 
 # ====================================================================== character sets and UTF-8
@@ -159,6 +160,7 @@ class RegexParser:
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self.pos = 0
+        self.depth = 0  # groups open at pos
 
     def parse(self) -> Node:
         """The whole pattern -> its syntax tree; ValueError on syntax we do not support."""
@@ -284,7 +286,11 @@ class RegexParser:
                 self.pos = close + 1  # a named group matches like a plain one
             else:
                 self.unsupported("inline flags (?...)", start)
+        self.depth += 1
+        if self.depth > MAX_NESTING:  # a clear error long before Python's recursion limit
+            self.invalid(f"groups nest more than {MAX_NESTING} deep; flatten the pattern", start)
         node = self.alternation()
+        self.depth -= 1
         if self.peek() != ")":
             self.invalid(f"missing ')' to close the group opened at position {start}")
         self.pos += 1

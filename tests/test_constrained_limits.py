@@ -1,0 +1,102 @@
+"""Constrained decoding has a bounded cost for any pattern, and the JSON-schema keywords users send (issue 28).
+
+At c2e1d62 `(x{1,1000}){1,1000}` ran past 120 s and 5.6 GB, `[^x]{1000}` took 54 s, 200 nested groups or a
+self-referential schema raised RecursionError, `maxLength: true` built a pattern for the text "a{0,True}", and
+`anyOf`, `oneOf`, `$ref` and `pattern` were refused. Now the construction budget (automaton states and time) is
+enforced while the automaton is built, with an error that names the part too large; nesting is bounded with a
+clear error; keywords are type-checked; and the combinators and local references compile, checked against
+outlines-core's own regex for the same schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from minillm.constrained import RegexDFA, automata, schema_to_regex
+
+
+def test_a_repeat_past_the_budget_is_refused_before_it_is_built_naming_the_repeat():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"a repeat \{1,1000\} of a part that takes 2,001 automaton states"):
+        RegexDFA("(x{1,1000}){1,1000}")
+    assert time.perf_counter() - start < 5, "refused from the size of one copy, not after building them all"
+
+
+def test_the_time_budget_stops_a_slow_compile(monkeypatch):
+    monkeypatch.setattr(automata, "MAX_COMPILE_SECONDS", 0.2)
+    with pytest.raises(ValueError, match=r"took over 0.2 s .*\[\^x\]\{1000\}"):
+        RegexDFA("[^x]{1000}")
+    assert RegexDFA("[^x]{3}").matches("abc"), "a small pattern is unaffected"
+
+
+def test_deep_nesting_is_a_clear_error_not_a_recursion_error():
+    with pytest.raises(ValueError, match="groups nest more than 50 deep"):
+        RegexDFA("(" * 200 + "a" + ")" * 200)
+    assert RegexDFA("(" * 40 + "a" + ")" * 40).matches("a")
+    deep: dict = {"type": "integer"}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="nests deeper than 32 levels"):
+        schema_to_regex(deep)
+
+
+def test_a_recursive_schema_is_refused_naming_the_ref():
+    tree = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items":
+                                                                         {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    with pytest.raises(ValueError, match=r"'\$ref' '#/\$defs/node' .* refers back into itself"):
+        schema_to_regex(tree)
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "string", "maxLength": True}, "maxLength"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": True}, "minItems"),
+    ({"type": "string", "minLength": 2.5}, "minLength"),
+    ({"type": "integer", "minimum": 3}, "'minimum'"),
+    ({"allOf": [{"type": "integer"}]}, "'allOf'"),
+    ({"$ref": "https://example.com/s.json"}, "only local references"),
+    ({"$ref": "#/$defs/missing"}, "names no definition"),
+    ({"anyOf": []}, "non-empty list"),
+    ({"type": "string", "pattern": 5}, "'pattern'"),
+])
+def test_keywords_of_the_wrong_kind_or_unsupported_are_refused_by_name(schema, says):
+    with pytest.raises(ValueError, match=re.escape(says) if "'" in says else says):
+        schema_to_regex(schema)
+
+
+# Schemas with the keywords users send (function calling, JSON mode), every property required (outlines-core
+# makes the others optional; minillm writes every listed property), and texts each must accept or refuse.
+SCHEMAS = {
+    "anyOf": ({"type": "object", "properties": {"id": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+               "required": ["id"]},
+              ['{"id":7}', '{"id":"x7"}'], ['{"id":true}', '{"id":7.5}']),
+    "oneOf, const": ({"oneOf": [{"const": "yes"}, {"const": "no"}, {"type": "null"}]},
+                     ['"yes"', '"no"', "null"], ['"maybe"', "true"]),
+    "$ref to $defs": ({"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                                            "y": {"type": "integer"}},
+                                           "required": ["x", "y"]}},
+                       "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+                       "required": ["a", "b"]},
+                      ['{"a":{"x":1,"y":2},"b":{"x":-3,"y":0}}'], ['{"a":{"x":1},"b":{"x":1,"y":2}}']),
+    "pattern": ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+                 "required": ["code"]},
+                ['{"code":"ABC-12"}'], ['{"code":"AB-12"}', '{"code":"abc-12"}']),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_combinators_refs_and_patterns_accept_what_outlines_core_accepts(name):
+    schema, good, bad = SCHEMAS[name]
+    ours = RegexDFA(schema_to_regex(schema))
+    for text in good:
+        assert ours.matches(text), f"{name}: should accept {text}"
+    for text in bad:
+        assert not ours.matches(text), f"{name}: should refuse {text}"
+    outlines_core = pytest.importorskip("outlines_core")
+    theirs = outlines_core.json_schema.build_regex_from_schema(json.dumps(schema))
+    for text in good + bad:
+        assert ours.matches(text) == bool(re.fullmatch(theirs, text)), f"{name}: outlines-core disagrees on {text}"
