@@ -216,9 +216,9 @@ def test_schema_regex_accepts_compact_and_default_json_dumps():
     [
         ({"type": "string", "format": "date"}, "'format' at #"),
         ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "'minimum' at #/properties/n"),
-        ({"anyOf": [{"type": "string"}]}, "needs a 'type'"),
+        ({"anyOf": {"type": "string"}}, "non-empty list of schemas"),  # anyOf itself compiles (issue 28)
         ({"type": ["string", "null"]}, "lists of types"),
-        ({"$ref": "#/defs/x"}, "needs a 'type'"),
+        ({"$ref": "#/defs/x"}, "only local references to #/$defs/NAME"),  # local $refs compile (issue 28)
         ({"type": "object", "properties": {}, "required": ["x"]}, "'required' at # names"),
         ({"type": "array"}, "needs an 'items'"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "minLength/maxLength"),
