@@ -16,6 +16,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import minillm
 from minillm.config import ConfigError
@@ -118,3 +120,34 @@ def test_generate_into_a_pipe_that_closes_ends_without_a_traceback():
     run = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
     assert len(run.stdout) == 3
     assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
+
+
+# ---------------------------------------------------------------------- random SamplingParams (hypothesis)
+
+NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                    st.none(), st.text(max_size=3))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(kwargs=st.fixed_dictionaries({}, optional={
+    name: NUMBERS for name in ("temperature", "top_k", "top_p", "min_p", "seed", "n", "best_of", "logprobs",
+                               "repetition_penalty", "frequency_penalty", "presence_penalty")}))
+def test_random_sampling_params_are_refused_clearly_or_run_to_the_end(shipped, kwargs):
+    """Any SamplingParams is refused with a ValueError when made, or the engine runs it to the end and lets go
+    of every block: no parameter reaches a step the engine cannot take."""
+    model, tokenizer = shipped
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True, **kwargs)
+    except ValueError as err:
+        assert str(err), "the error says what is wrong"
+        return
+    engine = LLMEngine(model, tokenizer, max_num_seqs=8, num_blocks=64)
+    try:
+        engine.add_request("r", "ROMEO.\n", params)
+    except ValueError:
+        return  # e.g. more sequences than the pool holds: refused when added, nothing queued
+    finished = engine.run()
+    assert len(finished) == (params.best_of or params.n)
+    assert all(len(out.token_ids) == 3 for out in finished.values())
+    assert engine.cache.allocator.num_used_blocks == 0

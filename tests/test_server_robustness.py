@@ -14,6 +14,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai", reason="the server tests call it with the official openai client")
 uvicorn = pytest.importorskip("uvicorn")
@@ -203,3 +205,35 @@ def test_shutdown_timeout_bounds_the_drain(monkeypatch):
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))  # no socket is opened
     serve(MODEL, shutdown_timeout=2.5)
     assert seen["timeout_graceful_shutdown"] == 2.5 and seen["host"] == "127.0.0.1"
+
+
+# ---------------------------------------------------------------------- random bodies (hypothesis)
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**80), 2**80),
+                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "stop", "seed", "n", "best_of", "stream", "ignore_eos", "logprobs", "echo",
+          "response_format", "prompt", "messages", "model", "top_logprobs"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=8),
+       endpoint=st.sampled_from(["completions", "chat/completions"]), small=st.booleans())
+def test_random_bodies_get_a_2xx_or_a_4xx_in_openais_shape_and_leave_nothing_behind(server, body, endpoint, small):
+    """Whatever JSON a client sends, the answer is a 2xx or a 4xx with OpenAI's error object, and afterwards the
+    engine holds no request and no KV block. `small` keeps most generations short, so that bounded time suffices."""
+    body.setdefault("model", MODEL)
+    if small:
+        body.update(prompt="A", messages=[{"role": "user", "content": "A"}], max_tokens=2)
+    response = httpx.post(server.url + f"/v1/{endpoint}", json=body, timeout=120)
+    assert response.status_code < 500, (body, response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text[:300]
+    deadline = time.time() + 60
+    while server.engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.02)
+    assert not server.engine.has_unfinished_requests() and server.engine.cache.allocator.num_used_blocks == 0
+    assert httpx.get(server.url + "/health").status_code == 200
