@@ -216,12 +216,12 @@ class LLMEngine:
                   eos_token_ids=set() if params.ignore_eos else self.eos)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        self.scheduler.add(seq)  # refuses ids in use and requests larger than the cache
-        if constraint is not None:
+        if constraint is not None:  # everything that can fail comes before the scheduler takes the sequence
             seq.constraint = Constraint(constraint, masks_for(constraint, self.model.config.vocab_size,
                                                               self.model.device))
             seq.dfa_state = constraint.start
-        return request_id
+        self.scheduler.add(seq)  # refuses ids in use and requests larger than the cache; last, so a refusal leaves
+        return request_id  # nothing behind
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Sequence `index`'s random generator, seeded seed + index (None without a seed)."""
