@@ -24,9 +24,9 @@ forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequ
 
 What OpenAI clients send is implemented or refused by name, never silently ignored: `logprobs` (and chat's
 `top_logprobs`) return the engine's log-probabilities in each API's shape; `echo` puts the prompt before the
-completion; `response_format` {"type": "json_schema", ...} constrains the output to the schema with minillm's
-constrained decoding (chapter 01; each schema is compiled once, off the event loop). `suffix`, `json_object`
-and `echo` with `logprobs` get a 400 that says so.
+completion; `response_format` {"type": "json_schema", ...} constrains the output to the schema, and
+{"type": "json_object"} to a JSON object nested at most 4 deep, with minillm's constrained decoding (chapter 01;
+each is compiled once, off the event loop). `suffix` and `echo` with `logprobs` get a 400 that says so.
 
 No single request can stop the service: parameters are checked against what the engine holds before anything
 is queued; a step that raises fails only the requests in it (a 500, or an error event when streaming) and is
@@ -60,7 +60,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from minillm.constrained import TokenIndex
+from minillm.constrained import TokenIndex, json_object_regex
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
@@ -120,16 +120,18 @@ class _Sampling(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     user: str | None = None
-    # {"type": "text"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}: the output is
-    # constrained to the schema (chapter 01). {"type": "json_object"} (any JSON) needs a grammar, not a regex.
+    # {"type": "text"}; {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}: the output is
+    # constrained to the schema (chapter 01); {"type": "json_object"}: to a JSON object (nested at most
+    # JSON_OBJECT_DEPTH deep: a regex cannot nest freely).
     response_format: dict | None = None
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs for this request: how many alternatives per token, None for no logprobs."""
         return None
 
-    def json_schema(self) -> dict | None:
-        """The schema the output must follow, from response_format; None for free text."""
+    def json_schema(self) -> dict | str | None:
+        """What the output must follow, from response_format: a JSON schema (dict), the regex of any JSON object
+        (str), or None for free text."""
         kind = (self.response_format or {}).get("type", "text")
         if kind == "text":
             return None
@@ -140,10 +142,8 @@ class _Sampling(BaseModel):
                                     '"schema": {...}}}.', param="response_format", code="invalid_value")
             return schema
         if kind == "json_object":
-            raise APIError(400, "response_format json_object (any JSON) is not supported: minillm's constrained "
-                                "decoding follows a schema; pass {\"type\": \"json_schema\", ...}.",
-                           param="response_format", code="unsupported_parameter")
-        raise APIError(400, f"response_format type {kind!r} is not one of text, json_schema.",
+            return json_object_regex()
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema.",
                        param="response_format", code="invalid_value")
 
     def params(self, default_max_tokens: int) -> SamplingParams:
@@ -340,9 +340,9 @@ class AsyncEngine:
                 waiter.queue.put_nowait(None)
             self.metrics.finished.labels("error").inc()
 
-    async def constraint(self, schema: dict | None) -> TokenIndex | None:
-        """The token index of a JSON schema (chapter 01), built off the event loop and kept for the next request
-        with the same schema; None for free text. A schema minillm cannot turn into a pattern is a 400."""
+    async def constraint(self, schema: dict | str | None) -> TokenIndex | None:
+        """The token index of a JSON schema or a regex (chapter 01), built off the event loop and kept for the next
+        request with the same one; None for free text. A schema minillm cannot turn into a pattern is a 400."""
         if schema is None:
             return None
         key = json.dumps(schema, sort_keys=True)

@@ -100,3 +100,19 @@ def test_combinators_refs_and_patterns_accept_what_outlines_core_accepts(name):
     theirs = outlines_core.json_schema.build_regex_from_schema(json.dumps(schema))
     for text in good + bad:
         assert ours.matches(text) == bool(re.fullmatch(theirs, text)), f"{name}: outlines-core disagrees on {text}"
+
+
+def test_json_object_regex_takes_json_objects_nested_up_to_its_depth():
+    import json
+
+    from minillm.constrained import json_object_regex
+
+    dfa = RegexDFA(json_object_regex(depth=3))
+    good = [{}, {"a": 1}, {"a": [1, "x", None], "b": {"c": True}}, {"k": {"l": [1, 2]}}, {"s": 'é " q'}]
+    for value in good:
+        for text in (json.dumps(value), json.dumps(value, separators=(",", ":"))):
+            assert dfa.matches(text), text
+    for text in ['[1]', '"a"', '{"a": 1,}', '{a: 1}', json.dumps({"a": {"b": {"c": {"d": 1}}}})]:
+        assert not dfa.matches(text), f"{text}: not an object, not JSON, or nested past depth 3"
+    with pytest.raises(ValueError, match="depth"):
+        json_object_regex(0)

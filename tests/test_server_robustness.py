@@ -117,7 +117,6 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenisin
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "suffix", "END"),
-    ("completions", "response_format", {"type": "json_object"}),
     ("completions", "response_format", {"type": "json_schema"}),
     ("completions", "response_format", {"type": "xml"}),
     ("chat/completions", "top_logprobs", 3),  # without logprobs: true
@@ -161,12 +160,30 @@ def test_echo_puts_the_prompt_before_the_completion(server):
     assert streamed == done.choices[0].text
 
 
+def test_response_format_json_object_gives_a_json_object(server):
+    import json
+
+    from minillm.constrained import RegexDFA, json_object_regex
+
+    dfa = RegexDFA(json_object_regex())
+    for seed in range(3):
+        chat = server.client.chat.completions.create(model=MODEL, max_tokens=48, temperature=1.0, seed=seed,
+                                                     messages=[{"role": "user", "content": "Speak."}],
+                                                     response_format={"type": "json_object"})
+        text, finish = chat.choices[0].message.content, chat.choices[0].finish_reason
+        assert text.startswith("{") and dfa.walk(dfa.start, text.encode()) >= 0, f"not a JSON object's start: {text}"
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict), text
+    assert_still_serving(server)
+
+
 def test_response_format_json_schema_constrains_the_output(server):
     import json
 
     schema = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}, "loud": {"type": "boolean"}},
               "required": ["mood", "loud"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}
+    compiled = []
     for _ in range(2):  # the second request reuses the compiled schema
         chat = server.client.chat.completions.create(model=MODEL, max_tokens=40, temperature=1.0, seed=3,
                                                      messages=[{"role": "user", "content": "How art thou?"}],
@@ -174,7 +191,8 @@ def test_response_format_json_schema_constrains_the_output(server):
         value = json.loads(chat.choices[0].message.content)
         assert value["mood"] in ("merry", "sad") and isinstance(value["loud"], bool)
         assert chat.choices[0].finish_reason == "stop"
-    assert len(server.state.constraints) == 1
+        compiled.append(len(server.state.constraints))
+    assert compiled[0] == compiled[1], "the second request compiled nothing new"
     assert_still_serving(server)
 
 

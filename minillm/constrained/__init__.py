@@ -28,9 +28,9 @@ constrained request, and the engine masks each step's logits with the request's 
 """
 
 from minillm.constrained.automata import DEAD, RegexDFA
-from minillm.constrained.json_schema import schema_to_regex
+from minillm.constrained.json_schema import json_object_regex, schema_to_regex
 from minillm.constrained.regex import utf8_sequences
 from minillm.constrained.token_index import TokenIndex, bytes_to_unicode, mask_logits, masks_for, vocabulary_bytes
 
-__all__ = ["DEAD", "RegexDFA", "TokenIndex", "bytes_to_unicode", "mask_logits", "masks_for", "schema_to_regex",
-           "utf8_sequences", "vocabulary_bytes"]
+__all__ = ["DEAD", "RegexDFA", "TokenIndex", "bytes_to_unicode", "json_object_regex", "mask_logits", "masks_for",
+           "schema_to_regex", "utf8_sequences", "vocabulary_bytes"]

@@ -32,6 +32,31 @@ _PY_TYPES = {"object": dict, "array": list, "string": str, "integer": int, "numb
              "boolean": bool, "null": type(None)}
 
 
+JSON_OBJECT_DEPTH = 4  # json_object_regex: objects and arrays nested at most this deep (a regex cannot nest freely)
+
+
+def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
+    """A regex for any JSON object whose objects and arrays nest at most `depth` levels (the object itself is
+    level 1): OpenAI's `response_format: {"type": "json_object"}`. JSON nests without bound, which no regular
+    expression can describe, so the depth is capped; 4 levels compile to a DFA of 663 states in about 1.6 s."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}.")
+    string = f'"{STRING_CHAR}*"'
+    scalar = f"(?:{string}|{NUMBER}|true|false|null)"
+
+    def obj(value: str) -> str:
+        member = f"{string}{COLON}{value}"
+        return r"\{" + f"(?:{member}(?:{COMMA}{member})*)?" + r"\}"
+
+    def arr(value: str) -> str:
+        return r"\[" + f"(?:{value}(?:{COMMA}{value})*)?" + r"\]"
+
+    value = scalar
+    for _ in range(depth - 1):
+        value = f"(?:{scalar}|{obj(value)}|{arr(value)})"
+    return obj(value)
+
+
 def escape_regex(text: str) -> str:
     """A regex matching `text` literally (escapes only the metacharacters, so other engines agree)."""
     return "".join("\\" + c if c in ".^$|?*+()[]{}\\" else c for c in text)
