@@ -66,7 +66,7 @@ from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
 
 try:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import BaseModel, Field
@@ -406,6 +406,53 @@ class AsyncEngine:
                 return
 
 
+# ---------------------------------------------------------------------- the body limit
+class BodyLimit:
+    """ASGI middleware: a request body larger than `max_body_bytes` gets a 413 in OpenAI's shape. By its
+    Content-Length before anything is read; a chunked body, which has none, as soon as what was read passes the
+    limit (the reading is stopped, and whatever the app would have answered is replaced by the 413)."""
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    def refusal(self, size: str) -> JSONResponse:
+        return APIError(413, f"the request body ({size}) is larger than this server's limit of "
+                             f"{self.max_body_bytes:,} bytes: send a shorter prompt.", code="body_too_large").response()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self.refusal(f"{length.decode(errors='replace')} bytes")(scope, receive, send)
+        seen, refusal, sent = 0, None, False
+
+        async def counted() -> dict:
+            nonlocal seen, refusal
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes and refusal is None:
+                refusal = self.refusal(f"over {seen:,} bytes so far")
+                raise HTTPException(413, "the request body is too large")  # stops the app reading it
+            return message
+
+        async def send_or_refuse(message: dict) -> None:
+            nonlocal sent
+            if refusal is None:
+                await send(message)
+            elif message["type"] == "http.response.start" and not sent:  # the app's answer to the stopped read
+                sent = True
+                await refusal(scope, receive, send)  # ours instead
+
+        try:
+            await self.app(scope, counted, send_or_refuse)
+        except Exception:
+            if refusal is None:
+                raise
+        if refusal is not None and not sent:
+            await refusal(scope, receive, send)
+
+
 # ---------------------------------------------------------------------- the app
 def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16,
                api_key: str | None = None, metrics_require_api_key: bool = False,
@@ -439,25 +486,19 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
         if exc.status_code == 404:
             message = (f"no route {http.url.path}: this server answers /v1/models, /v1/completions, "
                        "/v1/chat/completions, /health and /metrics.")
+        elif exc.status_code == 413:
+            message = str(exc.detail)
         else:
             message = f"{exc.detail}: send a JSON body of OpenAI's API, UTF-8 encoded."
-        return APIError(exc.status_code, message, code={404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "invalid_request")).response()
+        return APIError(exc.status_code, message, code={404: "not_found", 405: "method_not_allowed",
+                                                        413: "body_too_large"}.get(exc.status_code,
+                                                                                   "invalid_request")).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         return APIError(500, f"the server failed on this request: {type(exc).__name__}", "server_error",
                         code="internal_error").response()
-
-    @app.middleware("http")
-    async def limit_body(http: Request, call_next: Any) -> Any:
-        """Refuse a body larger than max_body_bytes before reading it (413), by its Content-Length."""
-        length = http.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return APIError(413, f"the request body ({length} bytes) is larger than this server's limit of "
-                                 f"{max_body_bytes:,} bytes: send a shorter prompt.", code="body_too_large").response()
-        return await call_next(http)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -486,6 +527,8 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist here; this server serves {model_name!r} "
                                 "(see GET /v1/models).", param="model", code="model_not_found")
+
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # last added: the outermost layer
 
     @app.get("/health")
     async def health() -> PlainTextResponse:

@@ -255,3 +255,18 @@ def test_random_bodies_get_a_2xx_or_a_4xx_in_openais_shape_and_leave_nothing_beh
         time.sleep(0.02)
     assert not server.engine.has_unfinished_requests() and server.engine.cache.allocator.num_used_blocks == 0
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_refused_too(server):
+    """A body sent in chunks has no Content-Length: it is counted as it is read."""
+    chunk = b'{"model": "shakespeare-1m", "prompt": "' + b"A" * (BODY_LIMIT + 10) + b'"}'
+
+    def pieces():
+        for i in range(0, len(chunk), 4096):
+            yield chunk[i: i + 4096]
+
+    response = httpx.post(server.url + "/v1/completions", content=pieces(),
+                          headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers, "the test must send a chunked body"
+    assert "limit" in assert_openai_error(response, 413)["message"]
+    assert_still_serving(server)
