@@ -129,7 +129,7 @@ class _Sampling(BaseModel):
         """SamplingParams.logprobs for this request: how many alternatives per token, None for no logprobs."""
         return None
 
-    def json_schema(self) -> dict | str | None:
+    def output_constraint(self) -> dict | str | None:
         """What the output must follow, from response_format: a JSON schema (dict), the regex of any JSON object
         (str), or None for free text."""
         kind = (self.response_format or {}).get("type", "text")
@@ -547,7 +547,7 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
     async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
         check_model(body.model)
         params = body.params(default_max_tokens)
-        constraint = await state.constraint(body.json_schema())
+        constraint = await state.constraint(body.output_constraint())
         echo = getattr(body, "echo", False)
         if isinstance(prompt, str):
             if len(prompt) > state.max_prompt_chars:
