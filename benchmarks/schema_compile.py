@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import statistics
-import time
 
 from common import write_results
 
 import minillm
+from minillm.book.notebook import median_time  # one definition, shared with the chapters (as common.py)
 from minillm.constrained import RegexDFA, TokenIndex, schema_to_regex, vocabulary_bytes
 
 
@@ -50,15 +49,6 @@ SCHEMAS = {
 }
 
 
-def median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=minillm.DEFAULT_MODEL, help="the shipped model whose vocabulary is used")
@@ -82,13 +72,14 @@ def main() -> None:
         pattern = schema_to_regex(schema)
         dfa = RegexDFA(pattern)
         row = {"schema": name, "dfa_states": dfa.n_states,
-               "minillm_s": median_seconds(
-                   lambda s=schema: TokenIndex(RegexDFA(schema_to_regex(s)), token_bytes, eos), args.repeats)}
+               "minillm_s": median_time(
+                   lambda s=schema: TokenIndex(RegexDFA(schema_to_regex(s)), token_bytes, eos), args.repeats,
+                   warmup=0)}
         if outlines_core is not None:
             text = json.dumps(schema)
-            row["outlines_core_s"] = median_seconds(
+            row["outlines_core_s"] = median_time(
                 lambda t=text: outlines_core.Index(outlines_core.json_schema.build_regex_from_schema(t), vocabulary),
-                args.repeats)
+                args.repeats, warmup=0)
         rows.append(row)
         print(f"{name:20} {row['dfa_states']:>6} states  minillm {row['minillm_s'] * 1e3:8.1f} ms"
               + (f"  outlines-core {row['outlines_core_s'] * 1e3:8.1f} ms" if "outlines_core_s" in row else ""),

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,3 +96,26 @@ def llama_folder(tmp_path_factory, tokenizer_file) -> Path:
     random_hf_model("llama").save_pretrained(folder)
     (folder / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     return folder
+
+
+@contextlib.contextmanager
+def served_in_thread(app: object, log_level: str = "warning") -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a thread on a free port of 127.0.0.1; yield its URL, stop it at the end."""
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

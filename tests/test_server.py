@@ -10,8 +10,6 @@ error object with a 4xx status.
 from __future__ import annotations
 
 import concurrent.futures
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -21,6 +19,8 @@ openai = pytest.importorskip("openai", reason="the server tests call it with the
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from conftest import served_in_thread  # noqa: E402
+
 import minillm  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
@@ -29,31 +29,13 @@ from minillm.server import apply_chat_template, create_app  # noqa: E402
 MODEL = "shakespeare-1m"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     model, tok = minillm.load(MODEL)
     engine = LLMEngine(model, tok, max_num_seqs=16, max_num_batched_tokens=128)
-    app = create_app(engine, MODEL, max_queue=64)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started, "the server did not start"
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield SimpleNamespace(url=url, engine=engine, client=client, offline=LLM(model, tok), tok=tok)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with served_in_thread(create_app(engine, MODEL, max_queue=64)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield SimpleNamespace(url=url, engine=engine, client=client, offline=LLM(model, tok), tok=tok)
 
 
 def offline(server, prompt: str, max_tokens: int) -> str:

@@ -8,8 +8,6 @@ request and no KV block, and serve the next request.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -20,6 +18,8 @@ from hypothesis import strategies as st
 openai = pytest.importorskip("openai", reason="the server tests call it with the official openai client")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
+
+from conftest import served_in_thread  # noqa: E402
 
 import minillm  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
@@ -34,21 +34,9 @@ def server():
     model, tok = minillm.load(MODEL)
     engine = LLMEngine(model, tok, max_num_seqs=8, max_num_batched_tokens=128)
     app = create_app(engine, MODEL, max_queue=32, max_body_bytes=BODY_LIMIT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(url=url, engine=engine, state=app.state.engine,
-                          client=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60))
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with served_in_thread(app, log_level="critical") as url:
+        yield SimpleNamespace(url=url, engine=engine, state=app.state.engine,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60))
 
 
 def assert_still_serving(server) -> None:

@@ -372,8 +372,13 @@ class StepInputs:
         self.tokens = data[:, :T]
         self.position_ids = data[:, T : 2 * T]
         self.slot_mapping = data[:, 2 * T : 3 * T]
-        self.seq_lens = data[:, 3 * T].to(torch.int32)
         self.block_tables = data[:, 3 * T + 1 :]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[B] int32, the keys each row attends to: only the paged kernel reads it, so it is cast when asked for
+        (inside a CUDA graph's recording, the cast is recorded with the step)."""
+        return self.data[:, 3 * self.T].to(torch.int32)
 
     @classmethod
     def build(cls, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
