@@ -29,7 +29,7 @@ from minillm.constrained import (
     schema_to_regex,
     vocabulary_bytes,
 )
-from minillm.generate import decode_one_token, generate_constrained, prefill
+from minillm.generation import decode_one_token, generate_constrained, prefill
 from minillm.kv_cache import KVCache
 
 CONSTRAINTS = {

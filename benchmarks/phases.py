@@ -37,7 +37,7 @@ from common import write_results
 
 from minillm import arithmetic
 from minillm.checkpoints import load
-from minillm.generate import decode_one_token, prefill
+from minillm.generation import decode_one_token, prefill
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 

@@ -4,47 +4,56 @@
     model, tokenizer = minillm.load(minillm.DEFAULT_MODEL)   # or any local Hugging Face folder
     out = minillm.generate(model, "Once upon a time", minillm.SamplingParams(max_tokens=32), tokenizer)
     print(out.text)
+
+The names below are imported on first use (PEP 562's module `__getattr__`), not when the package is:
+`import minillm.cli` then costs milliseconds instead of PyTorch's start-up, so `minillm --help` answers
+at once and a Ctrl-C while the command starts ends it quietly (the CLI catches it; an import at the top
+of this file would have run before the CLI could).
 """
 
-from minillm.beam import beam_search
-from minillm.checkpoints import (
-    DEFAULT_DRAFT,
-    DEFAULT_MODEL,
-    from_transformers,
-    list_models,
-    load,
-    save,
-    shipped_models,
-)
-from minillm.config import ModelConfig
-from minillm.generate import GenerationOutput, StreamChunk, generate, generate_no_cache, generate_stream
-from minillm.kv_cache import KVCache
-from minillm.model import Transformer
-from minillm.parallel_sampling import generate_n
-from minillm.sampling import SamplingParams, sample
-from minillm.tokenizer import Tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_DRAFT",
-    "DEFAULT_MODEL",
-    "GenerationOutput",
-    "KVCache",
-    "ModelConfig",
-    "SamplingParams",
-    "StreamChunk",
-    "Tokenizer",
-    "Transformer",
-    "beam_search",
-    "from_transformers",
-    "generate",
-    "generate_n",
-    "generate_no_cache",
-    "generate_stream",
-    "list_models",
-    "load",
-    "sample",
-    "save",
-    "shipped_models",
-]
+# name -> the module that defines it
+_EXPORTS = {
+    "beam_search": "minillm.beam",
+    "DEFAULT_DRAFT": "minillm.shipped",
+    "DEFAULT_MODEL": "minillm.shipped",
+    "from_transformers": "minillm.checkpoints",
+    "list_models": "minillm.checkpoints",
+    "load": "minillm.checkpoints",
+    "save": "minillm.checkpoints",
+    "shipped_models": "minillm.shipped",
+    "ModelConfig": "minillm.config",
+    "GenerationOutput": "minillm.generation",
+    "StreamChunk": "minillm.generation",
+    "generate": "minillm.generation",
+    "generate_no_cache": "minillm.generation",
+    "generate_stream": "minillm.generation",
+    "KVCache": "minillm.kv_cache",
+    "Transformer": "minillm.model",
+    "generate_n": "minillm.parallel_sampling",
+    "SamplingParams": "minillm.sampling",
+    "sample": "minillm.sampling",
+    "Tokenizer": "minillm.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import `minillm.<name>` from its module the first time it is asked for, then keep it here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minillm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+

@@ -24,9 +24,8 @@ from safetensors.torch import save_file
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.model import Transformer
+from minillm.shipped import SHIPPED_MODELS_DIR, shipped_models
 from minillm.tokenizer import Tokenizer
-
-SHIPPED_MODELS_DIR = Path(__file__).parent / "models"
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -37,18 +36,6 @@ DTYPES = {
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message says what is wrong and what to do."""
-
-
-# The models trained by `minillm/train.py` that ship inside the package (see their README cards).
-DEFAULT_MODEL = "shakespeare-11m"  # the target: what chapters generate with
-DEFAULT_DRAFT = "shakespeare-1m"  # its draft, for speculative decoding
-
-
-def shipped_models() -> list[str]:
-    """Names of the models that ship inside the package."""
-    if not SHIPPED_MODELS_DIR.is_dir():
-        return []
-    return sorted(p.name for p in SHIPPED_MODELS_DIR.iterdir() if (p / "config.json").is_file())
 
 
 def list_models() -> dict[str, int]:

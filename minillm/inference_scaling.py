@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from minillm.generate import GenerationOutput
+from minillm.generation import GenerationOutput
 from minillm.model import Transformer
 from minillm.parallel_sampling import CompletionOutput, generate_n
 from minillm.sampling import SamplingParams

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.engine.sequence import prepare_prompt
-from minillm.generate import GenerationOutput
+from minillm.generation import GenerationOutput
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         }, indent=2) + "\n")
         print(f"{args.preset}: best validation loss {best['val_loss']:.3f} at step {best['step']}")
     else:
-        from minillm.generate import generate
+        from minillm.generation import generate
         from minillm.sampling import SamplingParams
 
         data = json.loads((args.data / "data.json").read_text())

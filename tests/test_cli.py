@@ -178,3 +178,28 @@ def test_main_generate_unknown_quant_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--quant", "int3", "Hello"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_cli_does_not_import_torch_before_it_is_needed():
+    """`import minillm.cli` (what the `minillm` command runs first) stays light: no PyTorch, no model code."""
+    code = "import sys, minillm.cli; print(sorted(m for m in ('torch', 'minillm.model') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.stdout.strip() == "[]", f"importing minillm.cli loaded {proc.stdout.strip()}; keep those imports lazy"
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.0])
+def test_ctrl_c_during_start_up_prints_no_traceback(llama_folder, delay_s):
+    """Ctrl-C while `minillm generate` is still importing PyTorch or loading the model ends it quietly (status 130)."""
+    import signal
+    import time
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minillm.cli", "generate", "--model", str(llama_folder), "--max-tokens", "4000", "Hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert "Traceback" not in err, f"Ctrl-C after {delay_s} s printed a traceback:\n{err}"
+    assert proc.returncode in (130, -signal.SIGINT), f"exit status {proc.returncode}; stderr:\n{err}"

@@ -28,7 +28,7 @@ from minillm.constrained import (
     utf8_sequences,
     vocabulary_bytes,
 )
-from minillm.generate import generate_constrained
+from minillm.generation import generate_constrained
 from minillm.sampling import SamplingParams
 
 

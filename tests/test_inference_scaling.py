@@ -14,7 +14,7 @@ import pytest
 
 import minillm
 from minillm import SamplingParams
-from minillm.generate import GenerationOutput
+from minillm.generation import GenerationOutput
 from minillm.inference_scaling import (
     METHODS,
     NEXT_SPEAKER_EXCERPTS,

@@ -395,7 +395,7 @@ def test_task_8_generate_n_runs_on_a_quantised_cache(shipped, engine_caches):
 
 
 def test_task_8_constrained_decoding_runs_on_a_quantised_cache(shipped, engine_caches):
-    from minillm.generate import generate_constrained
+    from minillm.generation import generate_constrained
 
     model, tokenizer = shipped
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -424,7 +424,7 @@ def test_task_8_beam_search_runs_on_a_quantised_cache(shipped):
 @pytest.mark.parametrize("call", ["generate_n", "constrained", "beam"])
 def test_task_8_a_bad_kv_cache_dtype_is_a_clear_error_everywhere(shipped, call):
     from minillm.beam import beam_search
-    from minillm.generate import generate_constrained
+    from minillm.generation import generate_constrained
     from minillm.parallel_sampling import generate_n
 
     model, tokenizer = shipped

@@ -23,7 +23,7 @@ The modules, in the order the picture runs:
     automata      Thompson's NFA over bytes, subset construction, minimisation: RegexDFA
     token_index   the vocabulary as bytes, TokenIndex, and the logits mask (mask_logits, masks_for)
 
-The package knows nothing of models or the engine: `minillm.generate.generate_constrained` runs one
+The package knows nothing of models or the engine: `minillm.generation.generate_constrained` runs one
 constrained request, and the engine masks each step's logits with the request's TokenIndex.
 """
 

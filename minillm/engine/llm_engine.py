@@ -27,7 +27,7 @@ Sequences of one request, indices 0 .. best_of - 1; their outputs carry the requ
 its logits are masked to the tokens the pattern allows at every step.
 
 `minillm.generate` (one request), `minillm.generate_n` (n completions of one prompt) and
-`minillm.generate.generate_constrained` all run on this engine: there is one generation loop.
+`minillm.generation.generate_constrained` all run on this engine: there is one generation loop.
 With `speculative=SpeculativeConfig(drafter, k)` (chapter 07) the decode rows of a step are a variant
 of it: the drafter proposes up to k tokens per row, one target forward scores them all, the verify
 rule keeps some, and the rejected positions are rolled back in the cache

@@ -119,8 +119,8 @@ cached_decode = register_task(
     "02.cached_decode",
     "greedy_decode_cached(model: Transformer, prompt_ids: list[int], n_new: int) -> list[int]  (uses a KVCache)",
     reference=reference_greedy_decode_cached,
-    forbid=("minillm.generate.generate", "minillm.generate.generate_stream", "minillm.generate.prefill",
-            "minillm.generate.decode_one_token", "minillm.parallel_sampling.generate_n", "minillm.beam.beam_search"),
+    forbid=("minillm.generation.generate", "minillm.generation.generate_stream", "minillm.generation.prefill",
+            "minillm.generation.decode_one_token", "minillm.parallel_sampling.generate_n", "minillm.beam.beam_search"),
 )
 
 
