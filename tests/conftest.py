@@ -119,3 +119,15 @@ def served_in_thread(app: object, log_level: str = "warning") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def needs_bwrap() -> None:
+    """The grader's sandbox (bubblewrap) works here; else skip, or fail where CI is set (CI installs it)."""
+    from minillm.book.grading.sandbox import isolation_problem
+
+    problem = isolation_problem()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(problem + " (CI is set, so this fails instead of skipping)")
+        pytest.skip(problem)

@@ -349,7 +349,7 @@ FORGERIES = {
 }
 
 
-def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_path):
+def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_path, needs_bwrap):
     from minillm.book.grading.grade import grade_all
 
     paths = [_notebook(tmp_path / route / "00_the_model.ipynb", IMPORTS, OWN_ROPE, *cells,
@@ -370,7 +370,7 @@ def test_every_forging_route_gets_zero_for_the_forged_task_with_a_reason(tmp_pat
         assert "defines no `count_params`" in tasks["00.param_count"].reason
 
 
-def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch):
+def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch, needs_bwrap):
     from minillm.book.grading.grade import grade_all
 
     for test in get_task("00.param_count").tests:  # a hung answer should cost seconds here, not minutes
@@ -417,7 +417,7 @@ def test_a_broken_notebook_never_stops_the_gradebook(tmp_path, monkeypatch):
     assert all("not found" in t.reason for t in by_student["missing"].tasks)
 
 
-def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, capsys):
+def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, capsys, needs_bwrap):
     from minillm.book.grading.registry import TASKS
 
     book = load_book()
@@ -460,9 +460,9 @@ def test_grade_command_hidden_tests_partial_credit_and_the_gradebook(tmp_path, c
     assert 0 < carol["00.rms_norm"]["score"] < 2  # no eps: the all-zero row gives NaN, the rest pass
     assert "eps" in " ".join(t["hint"] for t in carol["00.rms_norm"]["tests"])
     rows = out_csv.read_text().splitlines()
-    assert rows[0] == "student,00.param_count,00.rms_norm,00.rotary,total,max"
-    assert rows[1] == "alice,2.0,2.0,3.0,7.0,7.0" and rows[2].startswith("bob,0.0,0.0,0.0,0.0")
-    assert rows[3].startswith("carol,0.0,1.5,3.0,4.5,7.0")
+    assert rows[0] == "student,00.param_count,00.rms_norm,00.rotary,00 total,total,max,to review"
+    assert rows[1] == "alice,2.0,2.0,3.0,7.0,7.0,7.0,0" and rows[2].startswith("bob,0.0,0.0,0.0,0.0,0.0,7.0")
+    assert rows[3] == "carol,0.0,1.5,3.0,4.5,4.5,7.0,0"
     assert "total: 11.5/21 points in 3 notebooks" in capsys.readouterr().out
 
 

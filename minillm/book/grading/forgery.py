@@ -33,13 +33,15 @@ class NotebookSource:
     imports:  local name -> the dotted path it stands for ("S" -> "minillm.sampling")
     bindings: local name -> every node that binds it (FunctionDef, ClassDef, Lambda or an assigned value)
     checked:  task id -> the source of the last `check(task_id, <answer>)` call's answer
-    unparsed: cells that are not valid Python (reported, and skipped)
+    unparsed: code cell number -> its syntax error ("line 3: invalid syntax"); such cells are skipped
+    suspicious: review flags: constructs an honest exercise has no use for ("code cell 4, line 2: uses gc")
     """
 
     imports: dict[str, str] = field(default_factory=dict)
     bindings: dict[str, list[ast.AST]] = field(default_factory=dict)
     checked: dict[str, str] = field(default_factory=dict)
-    unparsed: list[int] = field(default_factory=list)
+    unparsed: dict[int, str] = field(default_factory=dict)
+    suspicious: list[str] = field(default_factory=list)
 
 
 def read_source(cells: list[str]) -> NotebookSource:
@@ -51,14 +53,64 @@ def read_source(cells: list[str]) -> NotebookSource:
     for number, cell in enumerate(cells, 1):
         try:
             tree = ast.parse(transform(cell))
-        except SyntaxError:
-            src.unparsed.append(number)
+        except SyntaxError as exc:
+            src.unparsed[number] = f"line {exc.lineno}: {exc.msg}" + (f": {exc.text.strip()}" if exc.text else "")
             continue
         for node in ast.walk(tree):  # imports anywhere (one inside a function counts too), check calls
             _record_import_or_check(node, src)
+            why = _suspicious(node)
+            if why:
+                flag = f"code cell {number}, line {getattr(node, 'lineno', '?')}: {why}"
+                if not any(f.endswith(why) for f in src.suspicious):
+                    src.suspicious.append(flag)
         for statement in tree.body:
             _record_bindings(statement, src)
     return src
+
+
+# What an honest exercise has no use for: reaching into the interpreter, the grader or other files.
+_SUSPICIOUS_MODULES = {"gc": "the garbage collector's view of every object", "ctypes": "C-level memory access",
+                       "importlib": "imports computed at run time", "linecache": "reading source files"}
+_SUSPICIOUS_ATTRIBUTES = {
+    "setprofile": "switching the profiler", "settrace": "switching the tracer", "_getframe": "reading call frames",
+    "_current_frames": "reading call frames", "f_back": "reading call frames", "f_globals": "reading call frames",
+    "getsource": "reading another function's source", "getsourcelines": "reading another function's source",
+    "getsourcefile": "reading another function's source", "get_objects": "searching every object",
+    "get_referrers": "searching every object", "__code__": "replacing a function's code",
+    "__globals__": "reaching into a function's globals", "__closure__": "reaching into a closure",
+}
+_SUSPICIOUS_CALLS = {"exec": "running code from a string", "eval": "running code from a string",
+                     "compile": "compiling code from a string", "__import__": "an import computed at run time"}
+
+
+def _suspicious(node: ast.AST) -> str | None:
+    """A review flag for one syntax node, or None."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            top = alias.name.split(".")[0]
+            if top in _SUSPICIOUS_MODULES:
+                return f"imports {alias.name} ({_SUSPICIOUS_MODULES[top]})"
+            if alias.name.startswith(GRADER_PACKAGE):
+                return f"imports the grader's {alias.name}"
+    elif isinstance(node, ast.ImportFrom) and node.module:
+        top = node.module.split(".")[0]
+        if top in _SUSPICIOUS_MODULES:
+            return f"imports from {node.module} ({_SUSPICIOUS_MODULES[top]})"
+        names = {f"{node.module}.{a.name}" for a in node.names}
+        if node.module.startswith(GRADER_PACKAGE) and not names <= ALLOWED_GRADER_NAMES:
+            return f"imports {', '.join(sorted(names - ALLOWED_GRADER_NAMES))} from the grader"
+    elif isinstance(node, ast.Attribute) and node.attr in _SUSPICIOUS_ATTRIBUTES:
+        return f"uses .{node.attr} ({_SUSPICIOUS_ATTRIBUTES[node.attr]})"
+    elif isinstance(node, ast.Attribute) and node.attr == "modules" and _dotted(node) == "sys.modules":
+        return "uses sys.modules (reaching into loaded modules)"
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SUSPICIOUS_CALLS:
+        return f"calls {node.func.id}() ({_SUSPICIOUS_CALLS[node.func.id]})"
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if ".ipynb" in node.value:
+            return f"names a notebook file ({node.value[:60]!r})"
+        if node.value.startswith("/proc"):
+            return f"names a /proc path ({node.value[:60]!r})"
+    return None
 
 
 def _record_import_or_check(node: ast.AST, src: NotebookSource) -> None:

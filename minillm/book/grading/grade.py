@@ -5,19 +5,23 @@ For each notebook:
 1. its text is read here (`minillm.book.grading.forgery`): which function each `check("NN.task", f)`
    hands in, and whether that function is, or uses, something that already does the task (the
    engine's own function, the grader's reference) — such an answer gets no credit, with the reason;
-2. it runs top to bottom in a sandbox process, under time and memory limits, with no network and
-   no way to start processes or write outside its own folder (`minillm.book.grading.sandbox`);
+   constructs an honest exercise never needs (`gc`, `ctypes`, `exec`, reading notebooks) are flagged
+   for the teacher's review;
+2. it runs top to bottom in a sandbox process inside bubblewrap, which sees neither the class folder
+   nor the solutions nor the hidden tests, under time limits per cell and per notebook and a memory
+   limit (`minillm.book.grading.sandbox`);
 3. the grader runs every test of every task of the notebook's chapter itself, in this process,
    calling the reader's functions in the sandbox and comparing what comes back, as plain data, with
    its own reference. `check` cells, verdict files and the task registry inside the notebook's
    process are never consulted.
 
-Points per task come from `book.yml` (`points:`); a task scores its points × the share of its tests
-that pass. An instructor's hidden tests (`--extra-tests DIR`: Python files that add tests to tasks
-with `get_task(id).test(name)`) count like the others and are marked hidden in the report.
+Points per task come from `book.yml` (`points:`), or `--points TASK=P` / `--points-file FILE`; a task
+scores its points × the share of its tests that pass. An instructor's hidden tests (`--extra-tests
+DIR`: Python files that add tests to tasks with `get_task(id).test(name)`) count like the others; a
+student's feedback names them and says pass or fail, nothing more.
 
-    minillm grade submissions/ -j 4 --csv grades.csv --json grades.json
-    minillm grade alice/00_the_model.ipynb bob/00_the_model.ipynb --extra-tests hidden_tests/
+    minillm grade submissions/ -j 4 --csv grades.csv --json grades.json --feedback feedback/
+    minillm grade submissions/dave/ --update grades.json --csv grades.csv   # re-grade one student
 
 The student's name is the notebook's folder when the file has its chapter's name
 (`alice/00_the_model.ipynb` -> alice), else the file's stem (`alice.ipynb` -> alice).
@@ -37,7 +41,14 @@ from pathlib import Path
 from minillm.book import Book, Chapter, load_book
 from minillm.book.grading.check import get_task, run_task
 from minillm.book.grading.forgery import NotebookSource, defines, forbidden_use, read_source
-from minillm.book.grading.sandbox import DEFAULT_MEMORY_BYTES, RemoteAnswer, Sandbox, SandboxError
+from minillm.book.grading.sandbox import (
+    DEFAULT_CELL_TIMEOUT_S,
+    DEFAULT_MEMORY_BYTES,
+    RemoteAnswer,
+    Sandbox,
+    SandboxError,
+    isolation_problem,
+)
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -58,6 +69,7 @@ class TaskGrade:
     score: float  # what this notebook earned
     reason: str
     tests: list[TestGrade] = field(default_factory=list)
+    review: list[str] = field(default_factory=list)  # why the teacher should look at this answer (never scored)
 
     @property
     def passed(self) -> bool:
@@ -70,7 +82,7 @@ class NotebookGrade:
     student: str
     chapter: str | None = None
     tasks: list[TaskGrade] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # about the notebook as a whole: errors in its cells
+    notes: list[str] = field(default_factory=list)  # about the notebook as a whole: errors in its cells, warnings
 
     @property
     def score(self) -> float:
@@ -85,6 +97,14 @@ class NotebookGrade:
                 "score": round(self.score, 4), "max_score": self.max_score, "notes": self.notes,
                 "tasks": [asdict(t) | {"score": round(t.score, 4)} for t in self.tasks]}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> NotebookGrade:
+        """Read back one record of `grades.json` (for `--update`)."""
+        tasks = [TaskGrade(t["id"], float(t["points"]), float(t["score"]), t["reason"],
+                           [TestGrade(**test) for test in t.get("tests", [])], list(t.get("review", [])))
+                 for t in d["tasks"]]
+        return cls(d["notebook"], d["student"], d.get("chapter"), tasks, list(d.get("notes", [])))
+
 
 def student_name(path: Path, book: Book) -> str:
     """alice/00_the_model.ipynb -> "alice"; alice.ipynb -> "alice"."""
@@ -92,24 +112,32 @@ def student_name(path: Path, book: Book) -> str:
 
 
 def grade_notebook(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, chapter_id: str | None = None,
-                   memory_bytes: int = DEFAULT_MEMORY_BYTES, book_path: str | Path | None = None) -> NotebookGrade:
+                   memory_bytes: int = DEFAULT_MEMORY_BYTES, book_path: str | Path | None = None,
+                   cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True,
+                   points: dict[str, float] | None = None) -> NotebookGrade:
     """Run one notebook in a sandbox and grade every task of its chapter. Never raises for a bad notebook.
 
-    The chapter is `chapter_id` if given, else the book.yml chapter whose notebook has this file
-    name, else the chapter of the task ids the notebook's `check` calls name.
+    The chapter is the book.yml chapter whose notebook has this file name (a different `chapter_id` is
+    noted as a warning), else `chapter_id`, else the chapter of the task ids the notebook's `check`
+    calls name. `points` overrides book.yml's points of some tasks.
     """
     import nbformat
 
     book = load_book(book_path)
     path = Path(path)
     grade = NotebookGrade(notebook=str(path), student=student_name(path, book))
-    chapter = book.chapter(chapter_id) if chapter_id else book.chapter_of_notebook(path)
+    chapter = book.chapter_of_notebook(path)
+    if chapter is not None and chapter_id and chapter.id != chapter_id:
+        grade.notes.append(f"warning: {path.name} is chapter {chapter.id}'s notebook, but --chapter {chapter_id} "
+                           f"was given; graded as chapter {chapter.id}")
+    elif chapter is None and chapter_id:
+        chapter = book.chapter(chapter_id)
     try:
         nb = nbformat.read(path, as_version=4)
     except FileNotFoundError:
-        return _all_failed(grade, chapter, f"notebook {path} not found")
+        return _all_failed(grade, chapter, f"notebook {path} not found", points)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-        return _all_failed(grade, chapter, f"not a readable notebook: {type(exc).__name__}: {exc}")
+        return _all_failed(grade, chapter, f"not a readable notebook: {type(exc).__name__}: {exc}", points)
     src = read_source([c.source for c in nb.cells if c.cell_type == "code"])
     if chapter is None:
         prefixes = {task_id.split(".")[0] for task_id in src.checked}
@@ -118,24 +146,39 @@ def grade_notebook(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, chapt
                                             f"book.yml and it checks tasks {sorted(src.checked)}); pass --chapter NN.")
         chapter = book.chapter(prefixes.pop())
     grade.chapter = chapter.id
-    grade.notes += [f"code cell {n} is not valid Python" for n in src.unparsed]
-    with Sandbox(path, timeout_s=timeout_s, memory_bytes=memory_bytes) as sandbox:
+    grade.notes += [f"code cell {n} has a syntax error ({why}), so it did not run" for n, why in src.unparsed.items()]
+    with Sandbox(path, timeout_s=timeout_s, memory_bytes=memory_bytes, cell_timeout_s=cell_timeout_s,
+                 isolate=isolate) as sandbox:
         try:
             sandbox.start()
         except SandboxError as exc:
-            return _all_failed(grade, chapter, f"the notebook could not be run: {exc}")
+            sandbox.close()
+            failed = _all_failed(grade, chapter, f"the notebook could not be run: {exc}", points)
+            _add_review_flags(failed, src, sandbox.flags)
+            return failed
         grade.notes += sandbox.cell_errors
         for task_id in chapter.tasks:
-            grade.tasks.append(grade_task(task_id, chapter.points[task_id], src, sandbox, sandbox.cell_errors))
+            task_points = (points or {}).get(task_id, chapter.points[task_id])
+            grade.tasks.append(grade_task(task_id, task_points, src, sandbox, sandbox.cell_errors))
+    _add_review_flags(grade, src, sandbox.flags)  # after close: every flag the sandbox wrote has been read
     return grade
 
 
-def _all_failed(grade: NotebookGrade, chapter: Chapter | None, reason: str) -> NotebookGrade:
+def _add_review_flags(grade: NotebookGrade, src: NotebookSource, flags: list[dict]) -> None:
+    """The notebook's review flags onto its tasks: one raised while a task was tested goes on that task; one
+    from the notebook's text or from running its cells could affect any task, so it goes on each."""
+    everywhere = list(src.suspicious) + [f"while its cells ran: {f['flag']}" for f in flags if not f["task"]]
+    for task in grade.tasks:
+        task.review += everywhere + [f"while it was tested: {f['flag']}" for f in flags if f["task"] == task.id]
+
+
+def _all_failed(grade: NotebookGrade, chapter: Chapter | None, reason: str,
+                points: dict[str, float] | None = None) -> NotebookGrade:
     grade.chapter = chapter.id if chapter else None
     grade.notes.append(reason)
     tasks = chapter.tasks if chapter else ["?"]
-    points = chapter.points if chapter else {"?": 0.0}
-    grade.tasks = [TaskGrade(t, points[t], 0.0, reason) for t in tasks]
+    book_points = chapter.points if chapter else {"?": 0.0}
+    grade.tasks = [TaskGrade(t, (points or {}).get(t, book_points[t]), 0.0, reason) for t in tasks]
     return grade
 
 
@@ -146,12 +189,15 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
     expression = src.checked.get(task_id, task.answer_name)
     if not defines(src, expression):
         why = f"the notebook defines no `{expression}` (the task's function; hand it in with check({task_id!r}, ...))"
+        if src.unparsed:
+            cell, error = next(iter(src.unparsed.items()))
+            why = f"code cell {cell} has a syntax error ({error}); fix it: until then {why}"
         return TaskGrade(task_id, points, 0.0, why)
     misuse = forbidden_use(src, expression, task.forbidden)
     if misuse:
         return TaskGrade(task_id, points, 0.0, f"no credit: `{expression}` is not your own code: {misuse}. "
                                                "Write it yourself.")
-    answer = RemoteAnswer(sandbox, expression, task.forbidden)
+    answer = RemoteAnswer(sandbox, expression, task.forbidden, task=task_id)
     result = run_task(task_id, answer)
     hidden = {t.name for t in task.tests if t.hidden}
     tests = [TestGrade(r.name, r.passed, r.message, r.hint, r.name in hidden) for r in result.results]
@@ -164,8 +210,8 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
         reason = f"all {len(tests)} tests passed"
     else:
         first = next(t for t in tests if not t.passed)
-        reason = (f"{len(tests) - result.n_passed} of {len(tests)} tests failed; first: "
-                  f"{'(hidden) ' if first.hidden else ''}{first.name}: {first.message}")
+        what = f"(hidden) {first.name}" if first.hidden else f"{first.name}: {first.message}"
+        reason = f"{len(tests) - result.n_passed} of {len(tests)} tests failed; first: {what}"
         if "NameError" in first.message and cell_errors:
             reason += f" (the notebook had errors: {cell_errors[0]})"
     return TaskGrade(task_id, points, score, reason, tests)
@@ -189,8 +235,11 @@ def load_extra_tests(folder: str | Path) -> int:
     """Import every .py file of `folder` (sorted); the tests they add are marked hidden. Returns how many."""
     from minillm.book.grading.registry import TASKS
 
+    from minillm.book.grading import registry
+
     folder = Path(folder)
     files = sorted(folder.glob("*.py"))
+    registry.TRUSTED_SOURCE_DIRS.add(str(folder.resolve()))  # a failing hidden test never quotes its own lines
     if not files:
         raise ValueError(f"--extra-tests {folder}: no .py files there; each file adds tests with "
                          "get_task('NN.task').test('name')(fn).")
@@ -224,32 +273,178 @@ def grade_all(notebooks: list[Path], jobs: int = 1, progress: bool = True, **kwa
         return [f.result() for f in futures]
 
 
-def write_csv(grades: list[NotebookGrade], path: str | Path) -> None:
-    """The gradebook: one row per student, a column of points per task, then total and maximum."""
-    task_ids = sorted({t.id for g in grades for t in g.tasks if t.id != "?"})
-    rows: dict[str, dict[str, float]] = {}
-    maxima: dict[str, float] = {}
+def _chapters_in_book_order(grades: list[NotebookGrade], book: Book) -> list[Chapter]:
+    ids = {g.chapter for g in grades if g.chapter}
+    return [c for c in book.chapters if c.id in ids]
+
+
+def _by_student(grades: list[NotebookGrade]) -> dict[str, dict[str, NotebookGrade]]:
+    """student -> chapter -> that student's grade (the last one given, if a chapter was handed in twice)."""
+    table: dict[str, dict[str, NotebookGrade]] = {}
     for g in grades:
-        row = rows.setdefault(g.student, {})
-        for t in g.tasks:
-            row[t.id] = t.score
-            maxima[t.id] = t.points
+        table.setdefault(g.student, {})[g.chapter or "?"] = g
+    return dict(sorted(table.items()))
+
+
+def write_csv(grades: list[NotebookGrade], path: str | Path, book: Book | None = None) -> None:
+    """The gradebook: a row per student; per chapter, in book order, a column per task and the chapter's
+    subtotal; then the total and maximum over the chapters graded, and the number of answers to review."""
+    book = book or load_book()
+    chapters = _chapters_in_book_order(grades, book)
+    points = {t.id: t.points for g in grades for t in g.tasks}
+    header = ["student"]
+    for c in chapters:
+        header += [*c.tasks, f"{c.id} total"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["student", *task_ids, "total", "max"])
-        for student, row in sorted(rows.items()):
-            scores = [round(row[t], 4) if t in row else "" for t in task_ids]
-            total = sum(row.get(t, 0.0) for t in task_ids)
-            writer.writerow([student, *scores, round(total, 4), sum(maxima[t] for t in task_ids)])
+        writer.writerow([*header, "total", "max", "to review"])
+        for student, by_chapter in _by_student(grades).items():
+            row, total, maximum, review = [student], 0.0, 0.0, 0
+            for c in chapters:
+                g = by_chapter.get(c.id)
+                scores = {t.id: t.score for t in g.tasks} if g else {}
+                row += [round(scores[t], 4) if t in scores else "" for t in c.tasks]
+                row.append(round(sum(scores.values()), 4) if g else "")
+                total += sum(scores.values())
+                maximum += sum(points.get(t, c.points[t]) for t in c.tasks)
+                review += sum(bool(t.review) for t in g.tasks) if g else 0
+            writer.writerow([*row, round(total, 4), maximum, review])
+
+
+def load_roster(path: str | Path) -> dict[str, dict[str, str]]:
+    """A class roster CSV: a `student` column (the folder or file name) and any of name, email, sid,
+    canvas_id, sis_user_id, section. Returns student -> that row."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "student" not in rows[0]:
+        raise ValueError(f"--roster {path}: expected a CSV with a header row naming a `student` column (the "
+                         "submission's folder or file name), plus any of name, email, sid, canvas_id, "
+                         "sis_user_id, section")
+    return {r["student"]: r for r in rows}
+
+
+def write_lms_csv(grades: list[NotebookGrade], path: str | Path, lms: str, roster: dict[str, dict[str, str]],
+                  book: Book | None = None) -> None:
+    """The gradebook in the shape an LMS imports, a score column per chapter ("minillm NN: title").
+
+    canvas:     Canvas's gradebook import: Student, ID, SIS User ID, SIS Login ID, Section, then the
+                assignments, with a "Points Possible" row first. Students are matched on SIS Login ID
+                (the roster's sis_user_id / canvas_id fill the other columns when given).
+    gradescope: Name, SID, Email, then the assignments: Gradescope matches students by email or SID.
+    """
+    book = book or load_book()
+    chapters = _chapters_in_book_order(grades, book)
+    titles = [f"minillm {c.id}: {c.title}" for c in chapters]
+    table = _by_student(grades)
+    maxima = []
+    for c in chapters:
+        g = next(g for g in grades if g.chapter == c.id)
+        maxima.append(g.max_score)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        if lms == "canvas":
+            writer.writerow(["Student", "ID", "SIS User ID", "SIS Login ID", "Section", *titles])
+            writer.writerow(["Points Possible", "", "", "", "", *maxima])
+        else:
+            writer.writerow(["Name", "SID", "Email", *titles])
+        for student, by_chapter in table.items():
+            who = roster.get(student, {})
+            scores = [round(by_chapter[c.id].score, 4) if c.id in by_chapter else "" for c in chapters]
+            if lms == "canvas":
+                writer.writerow([who.get("name") or student, who.get("canvas_id", ""), who.get("sis_user_id", ""),
+                                 who.get("sis_login_id") or student, who.get("section", ""), *scores])
+            else:
+                writer.writerow([who.get("name") or student, who.get("sid") or student, who.get("email", ""),
+                                 *scores])
+
+
+def feedback_text(student: str, grades: list[NotebookGrade], show_hidden: bool = False) -> str:
+    """A student's feedback, in Markdown: per chapter and task, the score, each test's name and result,
+    what went wrong and the hint. Hidden tests are named with pass or fail only (unless `show_hidden`)."""
+    lines = [f"# Feedback for {student}", ""]
+    for g in grades:
+        lines += [f"## Chapter {g.chapter}: {g.score:g} / {g.max_score:g} points", "", f"Notebook: `{Path(g.notebook).name}`",
+                  ""]
+        lines += [f"- {note}" for note in g.notes if not note.startswith("warning:")] + ([""] if g.notes else [])
+        for t in g.tasks:
+            lines += [f"### {t.id}: {t.score:.3g} / {t.points:g}", ""]
+            if not t.tests:
+                lines += [t.reason, ""]
+                continue
+            if t.reason.startswith("no credit"):
+                lines += [t.reason, ""]
+            for test in t.tests:
+                mark = "pass" if test.passed else "FAIL"
+                if test.hidden and not show_hidden:
+                    lines.append(f"- {mark}: {test.name} (a hidden test)")
+                    continue
+                lines.append(f"- {mark}: {test.name}" + (" (a hidden test)" if test.hidden else ""))
+                if not test.passed:
+                    lines.append(f"  - {test.message}")
+                    if test.hint:
+                        lines.append(f"  - hint: {test.hint}")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_feedback(grades: list[NotebookGrade], folder: str | Path, show_hidden: bool = False) -> list[Path]:
+    """One Markdown file per student, `folder/<student>.md`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for student, by_chapter in _by_student(grades).items():
+        path = folder / f"{student}.md"
+        path.write_text(feedback_text(student, list(by_chapter.values()), show_hidden), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def merge_into(previous: list[NotebookGrade], new: list[NotebookGrade]) -> list[NotebookGrade]:
+    """The gradebook `previous` with each (student, chapter) graded again replaced by its new grade."""
+    fresh = {(g.student, g.chapter) for g in new}
+    return [g for g in previous if (g.student, g.chapter) not in fresh] + new
+
+
+def parse_points(pairs: list[str], file: str | None) -> dict[str, float]:
+    """Points per task from `--points-file` (JSON or YAML: {task id: points}) and `--points TASK=P` (which wins)."""
+    points: dict[str, object] = {}
+    if file:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(file).read_text(encoding="utf-8"))  # JSON is YAML too
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--points-file {file}: cannot read it ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--points-file {file}: expected a mapping of task id to points, e.g. "
+                             "{\"04.allocate\": 3}")
+        points.update(data)
+    for pair in pairs:
+        task_id, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--points {pair}: expected TASK=POINTS, e.g. --points 04.allocate=3")
+        points[task_id.strip()] = value.strip()
+    out = {}
+    for task_id, value in points.items():
+        get_task(str(task_id))  # an unknown task id is an error that names the known ones
+        try:
+            out[str(task_id)] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"points for {task_id}: {value!r} is not a number") from None
+        if not out[str(task_id)] >= 0:
+            raise ValueError(f"points for {task_id} must be >= 0, got {value}")
+    return out
 
 
 def format_report(grades: list[NotebookGrade]) -> str:
     lines = []
     for g in grades:
         lines.append(f"{g.student} ({g.notebook}): {g.score:g}/{g.max_score:g} points")
+        lines += [f"  {note}" for note in g.notes if note.startswith("warning:")]
         for t in g.tasks:
             mark = "PASS" if t.passed else ("PART" if t.score > 0 else "FAIL")
             lines.append(f"  {mark}  {t.id:<22} {t.score:>5.3g}/{t.points:<4g} {t.reason}")
+            lines += [f"        REVIEW: {why}" for why in t.review]
     if len(grades) > 1:
         lines.append(f"total: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g} points "
                      f"in {len(grades)} notebooks")
@@ -259,6 +454,16 @@ def format_report(grades: list[NotebookGrade]) -> str:
 def cmd_grade(args: argparse.Namespace) -> int:
     if args.chapter:
         load_book().chapter(args.chapter)  # an unknown chapter is a usage error, before any work
+    if not args.no_sandbox and isolation_problem() is not None:
+        raise ValueError(isolation_problem())
+    points = parse_points(args.points or [], args.points_file)
+    roster = load_roster(args.roster) if args.roster else {}
+    previous: list[NotebookGrade] = []
+    if args.update:
+        try:
+            previous = [NotebookGrade.from_dict(d) for d in json.loads(Path(args.update).read_text(encoding="utf-8"))]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--update {args.update}: not a grades.json written by `minillm grade` ({exc})") from None
     if args.extra_tests:
         added = load_extra_tests(args.extra_tests)
         print(f"loaded {added} hidden tests from {args.extra_tests}", file=sys.stderr)
@@ -266,14 +471,28 @@ def cmd_grade(args: argparse.Namespace) -> int:
     if not notebooks:
         raise ValueError(f"no notebooks found in {' '.join(args.notebooks)}")
     grades = grade_all(notebooks, jobs=args.jobs, progress=not args.no_progress, timeout_s=args.timeout,
-                       chapter_id=args.chapter, memory_bytes=int(args.memory_gb * 2**30))
+                       chapter_id=args.chapter, memory_bytes=int(args.memory_gb * 2**30),
+                       cell_timeout_s=args.cell_timeout, isolate=not args.no_sandbox, points=points)
     print(format_report(grades))
+    for g in grades:
+        for note in g.notes:
+            if note.startswith("warning:"):
+                print(f"{g.notebook}: {note}", file=sys.stderr)
+    gradebook = merge_into(previous, grades)
+    json_path = args.json or args.update
+    if json_path:
+        Path(json_path).write_text(json.dumps([g.to_dict() for g in gradebook], indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {json_path}" + (f" ({len(grades)} notebooks graded again)" if previous else ""))
     if args.csv:
-        write_csv(grades, args.csv)
+        write_csv(gradebook, args.csv)
         print(f"wrote {args.csv}")
-    if args.json:
-        Path(args.json).write_text(json.dumps([g.to_dict() for g in grades], indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+    for lms in ("canvas", "gradescope"):
+        if getattr(args, lms):
+            write_lms_csv(gradebook, getattr(args, lms), lms, roster)
+            print(f"wrote {getattr(args, lms)} ({lms} import)")
+    if args.feedback:
+        written = write_feedback(gradebook, args.feedback, show_hidden=args.show_hidden)
+        print(f"wrote {len(written)} feedback files to {args.feedback}")
     return 0
 
 
@@ -285,11 +504,26 @@ def add_grade_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-j", "--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds each notebook may run (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
+                   help=f"seconds one code cell may run before it is interrupted and the next one runs "
+                        f"(default {DEFAULT_CELL_TIMEOUT_S:g})")
     p.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_BYTES / 2**30,
                    help="memory each notebook may use, GiB (default %(default)g)")
-    p.add_argument("--chapter", metavar="NN", help="the chapter the notebooks belong to (default: from file names)")
+    p.add_argument("--chapter", metavar="NN", help="the chapter of notebooks whose file name does not say it")
     p.add_argument("--extra-tests", metavar="DIR", help="a folder of .py files adding hidden tests to tasks")
-    p.add_argument("--csv", metavar="FILE", help="also write the gradebook as CSV (a row per student)")
-    p.add_argument("--json", metavar="FILE", help="also write every result, with reasons, as JSON")
+    p.add_argument("--points", action="append", metavar="TASK=P", help="a task's points (repeat; overrides book.yml)")
+    p.add_argument("--points-file", metavar="FILE", help="points per task, a JSON or YAML mapping {task id: points}")
+    p.add_argument("--csv", metavar="FILE", help="the gradebook as CSV: a row per student, columns in book order")
+    p.add_argument("--json", metavar="FILE", help="every result, with reasons and review flags, as JSON (the "
+                                                  "teacher's record: hidden tests' messages included)")
+    p.add_argument("--update", metavar="FILE", help="an existing grades.json: the notebooks graded now replace "
+                                                    "their student's earlier grade for that chapter, the rest stay")
+    p.add_argument("--feedback", metavar="DIR", help="write a Markdown feedback file per student into DIR")
+    p.add_argument("--show-hidden", action="store_true", help="feedback files show hidden tests' messages too")
+    p.add_argument("--canvas", metavar="FILE", help="also write the scores as a Canvas gradebook import CSV")
+    p.add_argument("--gradescope", metavar="FILE", help="also write the scores as a Gradescope import CSV")
+    p.add_argument("--roster", metavar="FILE", help="CSV mapping `student` to name, email, sid, sis_user_id, ...")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="run notebooks without bubblewrap (in-process limits only): for grading your own work")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_grade)

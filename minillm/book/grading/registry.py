@@ -35,6 +35,7 @@ import torch
 
 DEFAULT_TIME_LIMIT_S = 20.0
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[2])  # minillm/: frames there are not the reader's code
+TRUSTED_SOURCE_DIRS: set[str] = set()  # nor are an instructor's hidden tests (`minillm grade --extra-tests`)
 
 
 class MismatchError(AssertionError):
@@ -191,7 +192,7 @@ def summarise_exception(exc: BaseException) -> str:
 
 
 def _is_library_file(filename: str) -> bool:
-    if filename.startswith(_PACKAGE_DIR):
+    if filename.startswith(_PACKAGE_DIR) or any(filename.startswith(d) for d in TRUSTED_SOURCE_DIRS):
         return True
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
     return any(filename.startswith(p) and ("site-packages" in filename or "/lib/python" in filename)

@@ -5,38 +5,56 @@
 
     grader (trusted)                               sandbox (the notebook's process)
     ----------------                               --------------------------------
-    Sandbox(path).start()   -- spawns -->          limits on; every code cell run in order
+    Sandbox(path).start()   -- spawns, sends       limits on; every code cell run in order,
+                               the cells -->       each under its own time limit
                             <-- "ran", errors --
     the task's tests run here; each call of the
     reader's function is a request:
       call(answer, args)    -- pickled args -->    answer(*args), with the forbidden functions watched
                             <-- plain data --      the result: tensors, numbers, strings, lists, dicts
+                            <-- review flags --    (a third pipe, written the moment they happen)
 
 What comes back is read with `torch.load(weights_only=True)`, which builds tensors and Python's
 plain containers and refuses every other class, so no object of the notebook's making ever reaches
 the grader: the tests compare data the grader decoded itself, with its own code.
 
-The sandbox process runs under limits: a memory cap (`RLIMIT_AS`) and CPU cap, bounded file sizes
-and open files, and an audit hook (`sys.addaudithook`, which cannot be removed once added) that
-refuses to start processes (so `os.fork` in a loop is one error, not a fork bomb), to open sockets,
-and to write, delete or rename anything outside the sandbox's own temporary folder. Its output is
-drained through a pipe of which only the last `LOG_KEEP_BYTES` are kept, so a flood costs nothing.
-The grader enforces the wall-clock limits and kills the whole process group when they pass.
+**Isolation from the operating system.** The sandbox process runs inside bubblewrap (`bwrap`, the
+tool Flatpak uses): new user, pid, network, ipc, uts and mount namespaces, as the unprivileged
+uid 65534, with no capabilities. Its file system holds only what a notebook needs, read-only: the
+system's /usr and /etc, the Python installation and the `minillm` package. The class folder, the
+book's solutions, the instructor's hidden tests and every other process's /proc are not there at
+all; the notebook's cells come through a pipe, so not even its own path is. Its one writable folder
+is a private home (`/home/student`) that the grader deletes afterwards. The grader and the tests
+stay outside.
 
-What this does not stop: code that attacks the sandbox's own Python objects (it shares the process
-with the notebook) could fake its replies; the grader's source check (`minillm.book.grading.forgery`)
-still sees what the notebook's text calls. Treat the sandbox as protection against forged grades
-and runaway notebooks in a class, not as a security boundary for hostile code: run the grader
-inside a container (or a VM) when that matters, as nbgrader and otter-grader also advise.
+Inside, as before: a memory cap (`RLIMIT_AS`) and CPU cap, bounded file sizes and open files, and
+an audit hook (`sys.addaudithook`, which cannot be removed once added) that refuses to start
+processes, to open sockets, and to write outside the home folder, and that reports, through its
+own pipe and at once, what an honest exercise never does: looking through the interpreter's
+objects (`gc`), switching the profiler off, C-level access (`ctypes`), running code built from a
+string, reading notebooks, other processes' /proc or the grader's own source. The grader puts
+these on the task as *review flags* for the teacher. Output is drained through a pipe of which only
+the last `LOG_KEEP_BYTES` are kept. The grader enforces the wall-clock limits and kills the whole
+sandbox when they pass.
+
+What this does not stop: code written against this harness can still tamper with the Python objects
+of its own process (it shares it with the harness), so it could fake its *own* replies, once it has
+raised the flags that say it looked. It cannot reach another student's files or grade, the
+solutions or the hidden tests. Where bubblewrap is missing, `minillm grade` refuses to run a class's
+notebooks; `--no-sandbox` runs them with the in-process limits only, for a learner grading their
+own work.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import io
+import json
 import os
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -50,9 +68,16 @@ from typing import Any
 
 import torch
 
+from minillm.book.grading.registry import _is_library_file
+
 LOG_KEEP_BYTES = 20_000  # of the notebook's own output: enough for the end of a traceback
 DEFAULT_MEMORY_BYTES = 4 * 2**30  # on top of what the sandbox's own imports use
 MAX_FILE_BYTES = 256 * 2**20
+DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted and the notebook goes on
+CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
+MAX_SKIPPED_CELLS = 3  # ...and the notebook re-run without it, at most this often
+SANDBOX_HOME = "/home/student"  # the notebook's writable folder, inside bubblewrap
+SANDBOX_UID = 65534  # "nobody"
 _HEADER = struct.Struct(">Q")
 
 
@@ -62,6 +87,70 @@ class SandboxError(RuntimeError):
 
 class SandboxTimeoutError(SandboxError):
     """The notebook or one call of the reader's function ran past its time limit (the sandbox was killed)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """bubblewrap is missing or cannot create namespaces here; the message says how to fix it."""
+
+
+# ---- bubblewrap ---------------------------------------------------------------------------------
+
+
+def readonly_paths() -> list[str]:
+    """What the notebook's process must read besides /usr and /etc: Python, its packages, minillm itself.
+
+    The folder that holds the `minillm` package (a source checkout, with `solutions/`, in an editable
+    install) is not among them: only the package's own folder is.
+    """
+    import minillm
+
+    package = Path(minillm.__file__).resolve().parent
+    candidates = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    candidates |= {Path(sys.executable).parent, Path(sys.executable).resolve().parent, package}
+    candidates |= {Path(p).resolve() for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    found = sorted(p for p in candidates if p.is_dir() and not p.is_relative_to("/usr") and p != Path("/"))
+    return [str(p) for i, p in enumerate(found) if not any(p.is_relative_to(q) for q in found[:i])]
+
+
+def bwrap_command(home: str) -> list[str]:
+    """bubblewrap's arguments: fresh namespaces, uid 65534, read-only system and Python, `home` writable."""
+    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # usually links into /usr
+        path = Path("/", name)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    args += ["--ro-bind", "/etc", "/etc"]
+    for path in readonly_paths():
+        args += ["--ro-bind", path, path]
+    return args + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", home, SANDBOX_HOME,
+                   "--chdir", SANDBOX_HOME]
+
+
+INSTALL_BWRAP = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
+                 "bubblewrap`), or pass --no-sandbox to grade your own notebooks with the in-process limits only")
+
+
+@functools.cache
+def isolation_problem() -> str | None:
+    """None when bubblewrap can isolate a notebook on this machine; else what is wrong and what to do."""
+    if shutil.which("bwrap") is None:
+        return f"bubblewrap (bwrap) is not installed, and the grader runs untrusted notebooks only inside it: " \
+               f"{INSTALL_BWRAP}"
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as home:
+        try:
+            proc = subprocess.run([*bwrap_command(home), sys.executable, "-c", "pass"], capture_output=True,
+                                  text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            return "bubblewrap did not start Python within 60 s"
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return (f"bubblewrap is installed but cannot create a sandbox here ({why}); unprivileged user namespaces "
+                f"may be turned off (sysctl kernel.unprivileged_userns_clone=1), or run the grader outside a "
+                f"container that forbids them. Otherwise {INSTALL_BWRAP.split(', or ')[1]}")
+    return None
 
 
 # ---- framing: an 8-byte length, then a torch.save payload ---------------------------------------
@@ -161,18 +250,26 @@ def _short_repr(x: Any) -> str:
 class Sandbox:
     """One notebook, run in a process of its own; `call` runs the reader's functions there.
 
-    timeout_s:    wall-clock seconds the notebook may take to run top to bottom
-    memory_bytes: address space the notebook may use beyond the sandbox's own imports
-    restarts:     how often a sandbox killed after a hung call is started again (re-running the notebook)
+    timeout_s:      wall-clock seconds the notebook may take to run top to bottom
+    cell_timeout_s: seconds one code cell may take; it is then interrupted and the next cell runs
+    memory_bytes:   address space the notebook may use beyond the sandbox's own imports
+    restarts:       how often a sandbox killed after a hung call is started again (re-running the notebook)
+    isolate:        run inside bubblewrap (see the module's docstring); False only for one's own notebooks
+
+    After `start`, `cell_errors` says which cells failed or were interrupted, and `flags` holds the review
+    flags the sandbox raised (each a dict: "flag", the reason, and "task", the task being tested or None).
     """
 
     def __init__(self, notebook: str | Path, timeout_s: float = 600.0, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 restarts: int = 2) -> None:
+                 restarts: int = 2, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True) -> None:
         self.notebook = Path(notebook).resolve()
         self.timeout_s, self.memory_bytes, self.restarts_left = timeout_s, memory_bytes, restarts
+        self.cell_timeout_s, self.isolate = cell_timeout_s, isolate
         self.proc: subprocess.Popen | None = None
         self.cell_errors: list[str] = []
         self.cells = 0
+        self.flags: list[dict] = []
+        self._skipped: dict[int, str] = {}  # cells left out of later runs: they could not be interrupted
         self._log: collections.deque[bytes] = collections.deque()
         self._log_size = 0
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -189,37 +286,91 @@ class Sandbox:
         return b"".join(self._log).decode("utf-8", errors="replace")
 
     def start(self) -> None:
-        """Run the notebook top to bottom in a fresh process; raises SandboxError if it cannot finish."""
-        self.close()
+        """Run the notebook top to bottom in a fresh process; raises SandboxError if it cannot finish.
+
+        A cell that runs past `cell_timeout_s` is interrupted there and the next one runs; one that cannot
+        be interrupted (stuck in C code) is skipped in a fresh process. The whole run has `timeout_s`.
+        """
+        import nbformat
+
+        if self.isolate and isolation_problem() is not None:
+            raise SandboxUnavailableError(isolation_problem())
+        nb = nbformat.read(self.notebook, as_version=4)  # read here: the sandbox never sees the notebook's path
+        cells = [c.source for c in nb.cells if c.cell_type == "code"]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._spawn()
+            _send(self._req_w, {"kind": "run", "cells": cells, "skip": sorted(self._skipped),
+                                "cell_timeout_s": self.cell_timeout_s})
+            cell, reply = 0, None
+            while reply is None or reply["kind"] == "cell":
+                cell_deadline = time.monotonic() + self.cell_timeout_s + CELL_GRACE_S if cell else deadline
+                try:
+                    reply = self._reply(min(deadline, cell_deadline), what="")
+                except SandboxTimeoutError:
+                    if time.monotonic() >= deadline or len(self._skipped) >= MAX_SKIPPED_CELLS:
+                        where = f" (it was in code cell {cell})" if cell else ""
+                        raise SandboxTimeoutError(f"the notebook did not finish within {self.timeout_s:g} s "
+                                                  f"(time limit){where}") from None
+                    self._skipped[cell] = (f"code cell {cell}: ran past its {self.cell_timeout_s:g} s limit and "
+                                           f"could not be interrupted, so the notebook was run again without it")
+                    break
+                if reply["kind"] == "cell":
+                    cell = int(reply["number"])
+            else:
+                self.cells, self.cell_errors = int(reply["cells"]), [str(e) for e in reply["errors"]]
+                return
+
+    def _spawn(self) -> None:
+        """A fresh sandbox process (in bubblewrap when isolating), with its three pipes."""
+        self.kill()
+        if self._tmp is not None:
+            self._tmp.cleanup()
         self._tmp = tempfile.TemporaryDirectory(prefix="minillm-grade-")
-        work = self._tmp.name
+        home = SANDBOX_HOME if self.isolate else self._tmp.name
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
+        audit_r, audit_w = os.pipe()
         env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "MPLBACKEND": "Agg",
-            "MPLCONFIGDIR": os.path.join(work, ".matplotlib"), "IPYTHONDIR": os.path.join(work, ".ipython"),
+            "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": os.path.join(home, ".matplotlib"), "IPYTHONDIR": os.path.join(home, ".ipython"),
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8",
         }
-        cmd = [sys.executable, "-m", "minillm.book.grading.sandbox", str(self.notebook), str(req_r), str(rep_w),
+        cmd = [sys.executable, "-m", "minillm.book.grading.sandbox", str(req_r), str(rep_w), str(audit_w),
                str(self.memory_bytes), str(int(self.timeout_s * 4 + 120))]
-        self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=work, env=env,
-                                     start_new_session=True)
-        os.close(req_r)
-        os.close(rep_w)
+        if self.isolate:
+            cmd = bwrap_command(self._tmp.name) + cmd
+        self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w, audit_w), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self._tmp.name,
+                                     env=env, start_new_session=True)
+        for fd in (req_r, rep_w, audit_w):
+            os.close(fd)
         self._log.clear()
         self._log_size = 0
         threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
-        reply = self._reply(time.monotonic() + self.timeout_s, what=f"the notebook did not finish within "
-                                                                    f"{self.timeout_s:g} s (time limit)")
-        self.cells, self.cell_errors = int(reply["cells"]), [str(e) for e in reply["errors"]]
+        self._flag_reader = threading.Thread(target=self._read_flags, args=(audit_r,), daemon=True)
+        self._flag_reader.start()
+
+    def _read_flags(self, fd: int) -> None:
+        """Collect the review flags the sandbox's audit hook writes, one JSON object per line."""
+        with os.fdopen(fd, "rb") as stream:
+            for line in stream:
+                try:
+                    flag = json.loads(line)
+                    flag = {"flag": str(flag["flag"])[:300], "task": flag.get("task") and str(flag["task"])}
+                except (ValueError, KeyError, TypeError):
+                    flag = {"flag": "the sandbox's flag channel carried something else (was it written to?)",
+                            "task": None}
+                if flag not in self.flags and len(self.flags) < 50:
+                    self.flags.append(flag)
 
     def call(self, answer: str, args: tuple, kwargs: dict, forbid: tuple[str, ...], deadline: float,
-             probe: Callable | None = None) -> tuple[Any, list[str]]:
+             probe: Callable | None = None, task: str | None = None) -> tuple[Any, list[str]]:
         """Run `answer(*args, **kwargs)` (or `probe(answer, *args, **kwargs)`) in the notebook's namespace.
 
         answer: a Python expression naming the reader's function there, e.g. "rms_norm".
+        task:   the task being tested, so that a review flag raised during the call names it.
         Returns (the result as plain data, the forbidden functions it called). Raises StudentError
         when the reader's code raised, SandboxTimeoutError past `deadline` (a time.monotonic() value).
         """
@@ -234,7 +385,7 @@ class Sandbox:
         probe_name = f"{probe.__module__}:{probe.__qualname__}" if probe is not None else None
         try:
             _send(self._req_w, {"kind": "call", "answer": answer, "args": args, "kwargs": kwargs,
-                                "forbid": list(forbid), "probe": probe_name})
+                                "forbid": list(forbid), "probe": probe_name, "task": task})
         except OSError as exc:
             raise SandboxError(f"the notebook's process stopped listening ({exc})") from None
         reply = self._reply(deadline, what="the call ran past the test's time limit")
@@ -243,6 +394,9 @@ class Sandbox:
             error = StudentError(str(reply["message"]))
             error.forbidden = forbidden  # type: ignore[attr-defined]
             raise error
+        if reply["kind"] != "result":
+            self.kill()
+            raise SandboxError("the notebook's process sent a malformed reply")
         return from_data(reply["value"]), forbidden
 
     def _reply(self, deadline: float, what: str) -> dict:
@@ -261,7 +415,7 @@ class Sandbox:
             self.kill()
             raise SandboxError(f"the notebook's process sent something the grader refuses to read "
                                f"({type(exc).__name__}); was the grader's channel written to?") from None
-        if not isinstance(reply, dict) or reply.get("kind") not in ("ran", "result", "error"):
+        if not isinstance(reply, dict) or reply.get("kind") not in ("cell", "ran", "result", "error"):
             self.kill()
             raise SandboxError("the notebook's process sent a malformed reply")
         return reply
@@ -281,6 +435,9 @@ class Sandbox:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        reader = self.__dict__.pop("_flag_reader", None)
+        if reader is not None:
+            reader.join(timeout=5)  # the flag pipe ends with the process: every flag it wrote is read
         for name in ("_req_w", "_rep_r"):
             fd = self.__dict__.pop(name, None)
             if fd is not None:
@@ -302,8 +459,8 @@ class RemoteAnswer:
     `forbidden_calls`; `run_task` sets the time each test may take with `set_deadline`.
     """
 
-    def __init__(self, sandbox: Sandbox, expression: str, forbid: tuple[str, ...]) -> None:
-        self.sandbox, self.expression, self.forbid = sandbox, expression, forbid
+    def __init__(self, sandbox: Sandbox, expression: str, forbid: tuple[str, ...], task: str | None = None) -> None:
+        self.sandbox, self.expression, self.forbid, self.task = sandbox, expression, forbid, task
         self.forbidden_calls: set[str] = set()
         self.deadline = time.monotonic() + 60
         self.timed_out = False  # once a call hangs, the task's remaining tests are not run
@@ -324,7 +481,8 @@ class RemoteAnswer:
         if self.timed_out:
             raise StudentError("not run: an earlier test of this task ran past its time limit")
         try:
-            value, forbidden = self.sandbox.call(self.expression, args, kwargs, self.forbid, self.deadline, probe)
+            value, forbidden = self.sandbox.call(self.expression, args, kwargs, self.forbid, self.deadline, probe,
+                                                 self.task)
         except SandboxTimeoutError:
             self.timed_out = True
             raise _TimeLimitError() from None
@@ -349,11 +507,74 @@ _BLOCKED_EVENTS = {
 }
 _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "shutil.rmtree", "os.chmod", "os.chown", "os.truncate",
                 "os.link", "os.symlink", "os.mkdir", "os.utime", "shutil.copyfile", "shutil.move"}
+# Events an honest exercise never raises from its own code: each is a review flag for the teacher.
+_FLAGGED_EVENTS = {
+    "gc.get_objects": "searched the interpreter's objects (gc.get_objects)",
+    "gc.get_referrers": "searched the interpreter's objects (gc.get_referrers)",
+    "gc.get_referents": "searched the interpreter's objects (gc.get_referents)",
+    "sys.setprofile": "changed the profiler, which watches the answer's calls (sys.setprofile)",
+    "sys.settrace": "changed the tracer (sys.settrace)",
+    "sys._current_frames": "read the frames of running code (sys._current_frames)",
+    "exec": "ran code built from a string (exec or eval)",
+}
+_GRADING_DIR = str(Path(__file__).resolve().parent) + os.sep
+_flag_state: dict[str, Any] = {"fd": None, "task": None, "sent": set()}
 
 
-def _install_guard(work: str) -> None:
-    """The audit hook: no processes, no sockets, no writes outside `work` (the sandbox's folder)."""
+def raise_flag(reason: str) -> None:
+    """Send a review flag to the grader now, on the flag pipe, naming the task being tested (if any)."""
+    key = (reason, _flag_state["task"])
+    if _flag_state["fd"] is None or key in _flag_state["sent"]:
+        return
+    _flag_state["sent"].add(key)
+    line = json.dumps({"flag": reason, "task": _flag_state["task"]}) + "\n"
+    try:
+        os.write(_flag_state["fd"], line.encode())
+    except OSError:
+        pass
+
+
+def _is_readers_frame(frame: Any) -> bool:
+    """Whether a frame runs the notebook's code (a cell, or code it built from a string), not a library's."""
+    name = frame.f_code.co_filename
+    return not name.startswith("<frozen") and not _is_library_file(name)
+
+
+_REPORTING_MODULES = ("traceback.py", "warnings.py", "<frozen importlib._bootstrap_external>")
+
+
+def _readers_code_on_stack(frame: Any) -> bool:
+    """Whether the notebook's code asked for what is happening: its frame is on the stack, and no library
+    that reads source files on its own account (a traceback, a warning, an import) stands in between."""
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_REPORTING_MODULES):
+            return False
+        if _is_readers_frame(frame):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _suspicious_read(path: Any) -> str | None:
+    """Why reading `path` is a review flag (a notebook, another process's /proc, the grader's source), or None."""
+    try:
+        real = os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+    if real.endswith(".ipynb"):
+        return f"opened a notebook file ({real})"
+    if real.startswith("/proc/") and not real.startswith(("/proc/self/", f"/proc/{os.getpid()}/")):
+        return f"read another process's information ({real})"
+    if real.startswith(_GRADING_DIR):
+        return f"read the grader's own files ({real.removeprefix(_GRADING_DIR)})"
+    return None
+
+
+def _install_guard(work: str, flag_fd: int | None = None) -> None:
+    """The audit hook: no processes, no sockets, no writes outside `work` (the sandbox's folder); review
+    flags (see `_FLAGGED_EVENTS`) written to `flag_fd` the moment the reader's code raises them."""
     root = os.path.realpath(work) + os.sep
+    _flag_state["fd"] = flag_fd
 
     def inside(path: Any) -> bool:
         if isinstance(path, int):
@@ -367,6 +588,11 @@ def _install_guard(work: str) -> None:
     def hook(event: str, args: tuple) -> None:
         if event in _BLOCKED_EVENTS:
             raise PermissionError(f"{_BLOCKED_EVENTS[event]} is not allowed while a notebook is graded ({event})")
+        if event in _FLAGGED_EVENTS:
+            if _is_readers_frame(sys._getframe(1)):  # called by the notebook's own code, not by a library
+                raise_flag(_FLAGGED_EVENTS[event])
+        elif event.startswith("ctypes.") and _readers_code_on_stack(sys._getframe(1)):
+            raise_flag(f"used ctypes, which reaches past Python's checks ({event})")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, 0))[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
@@ -374,6 +600,10 @@ def _install_guard(work: str) -> None:
             if writes and path is not None and not inside(path):
                 raise PermissionError(f"writing {path} is not allowed while a notebook is graded; write under the "
                                       "current folder")
+            if path is not None and not isinstance(path, int):
+                why = _suspicious_read(path)
+                if why and _readers_code_on_stack(sys._getframe(1)):
+                    raise_flag(why)
         elif event in _PATH_EVENTS:
             if event == "shutil.copyfile":
                 args = args[1:]  # reading the source is fine; only the destination is written
@@ -415,31 +645,44 @@ def _count_own_processes() -> int:
     return count
 
 
-def _watch_list(forbid: list[str]) -> tuple[dict[Any, str], dict[int, str]]:
-    """Code objects (Python functions, and the methods of classes) and builtins to watch, by name."""
+def code_fingerprint(code: Any) -> tuple:
+    """What a code object *does*, without its name, file or line numbers: a copy of a function's source
+    exec'd under another name has the same fingerprint as the original."""
+    consts = tuple(code_fingerprint(c) if inspect.iscode(c) else (type(c).__name__, repr(c)) for c in code.co_consts)
+    return code.co_code, consts, code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount
+
+
+def _watch_list(forbid: list[str]) -> tuple[dict[tuple, str], dict[int, str]]:
+    """Forbidden code (Python functions, and the methods of classes) by fingerprint, and builtins by id."""
     from minillm.book.grading.forgery import forbidden_callables
 
-    codes: dict[Any, str] = {}
+    codes: dict[tuple, str] = {}
     builtins: dict[int, str] = {}
     for name, target in forbidden_callables(forbid):
         if not isinstance(target, type):
             target = inspect.unwrap(target)  # a decorator's wrapper shares its code with every decorated function
         code = getattr(target, "__code__", None)
         if code is not None:
-            codes[code] = name
+            codes[code_fingerprint(code)] = name
         else:
             builtins[id(target)] = name
     return codes, builtins
 
 
 def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseException | None, list[str]]:
-    """fn() with a profiler that notes every call of a forbidden function; returns (value, error, names)."""
+    """fn() with a profiler that notes every call of a forbidden function, matched by what its code does
+    (a renamed copy counts); returns (value, error, names). Switching the profiler off is a review flag."""
     codes, builtins = _watch_list(forbid)
+    seen: dict[Any, str | None] = {}  # code object -> the forbidden name it matches (fingerprinted once)
     hits: set[str] = set()
 
     def profiler(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code in codes:
-            hits.add(codes[frame.f_code])
+        if event == "call":
+            code = frame.f_code
+            if code not in seen:
+                seen[code] = codes.get(code_fingerprint(code))
+            if seen[code] is not None:
+                hits.add(seen[code])
         elif event == "c_call" and id(arg) in builtins:
             hits.add(builtins[id(arg)])
 
@@ -450,6 +693,8 @@ def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseEx
     except BaseException as exc:  # noqa: BLE001 - reported to the grader, which decides
         return None, exc, sorted(hits)
     finally:
+        if sys.getprofile() is not profiler:
+            raise_flag("switched off the profiler that watches the answer's calls")
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
 
@@ -464,25 +709,44 @@ def _new_shell() -> Any:
     return InteractiveShell.instance(config=config)
 
 
-def _run_notebook(shell: Any, path: str) -> tuple[int, list[str]]:
-    """Every code cell of the notebook, in order, in `shell`; a failing cell does not stop the rest."""
-    import nbformat
+class CellTimeLimit(BaseException):
+    """Raised in a code cell that ran past its time limit (a BaseException, so `except Exception` lets it pass)."""
 
+
+def _run_notebook(shell: Any, cells: list[str], skip: set[int], cell_timeout_s: float,
+                  reply_fd: int) -> list[str]:
+    """Every code cell, in order, in `shell`, each under `cell_timeout_s`; a failing or interrupted cell does not
+    stop the rest. Tells the grader which cell starts (so it can name a cell that hangs). Returns the errors."""
     from minillm.book.grading.registry import summarise_exception
 
-    nb = nbformat.read(path, as_version=4)
-    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise CellTimeLimit()
+
+    signal.signal(signal.SIGALRM, on_alarm)
     errors = []
-    for number, source in enumerate(code, 1):
-        result = shell.run_cell(source, store_history=False, silent=False)
-        error = result.error_before_exec or result.error_in_exec
-        if error is not None:
+    for number, source in enumerate(cells, 1):
+        if number in skip:
+            errors.append(f"code cell {number}: ran past its {cell_timeout_s:g} s limit and could not be "
+                          "interrupted, so the notebook was run again without it")
+            continue
+        _send(reply_fd, {"kind": "cell", "number": number})
+        signal.setitimer(signal.ITIMER_REAL, cell_timeout_s)
+        try:
+            result = shell.run_cell(source, store_history=False, silent=False)
+            error = result.error_before_exec or result.error_in_exec
+        except CellTimeLimit as exc:
+            error = exc
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if isinstance(error, CellTimeLimit):
+            errors.append(f"code cell {number}: ran past its {cell_timeout_s:g} s limit and was interrupted")
+        elif error is not None:
             errors.append(f"code cell {number}: {summarise_exception(error)}")
-    return len(code), errors
+    return errors
 
 
-def serve(notebook: str, request_fd: int, reply_fd: int, memory_bytes: int, cpu_s: int) -> int:
-    """The sandbox process: run the notebook, then answer the grader's calls until it closes the pipe."""
+def serve(request_fd: int, reply_fd: int, flag_fd: int, memory_bytes: int, cpu_s: int) -> int:
+    """The sandbox process: run the cells the grader sends, then answer its calls until it closes the pipe."""
     import importlib
 
     from minillm.book.grading import tasks  # noqa: F401 - the probes live in the task modules
@@ -491,15 +755,18 @@ def serve(notebook: str, request_fd: int, reply_fd: int, memory_bytes: int, cpu_
     importlib.import_module("minillm.book.grading.check").GRADING = True
     shell = _new_shell()
     _apply_limits(memory_bytes, cpu_s)
-    _install_guard(os.getcwd())
-    cells, errors = _run_notebook(shell, notebook)
-    _send(reply_fd, {"kind": "ran", "cells": cells, "errors": errors})
+    _install_guard(os.getcwd(), flag_fd)
+    run = _receive(request_fd, None, trusted=True)
+    errors = _run_notebook(shell, run["cells"], set(run["skip"]), run["cell_timeout_s"], reply_fd)
+    _send(reply_fd, {"kind": "ran", "cells": len(run["cells"]), "errors": errors})
     while True:
         try:
             request = _receive(request_fd, None, trusted=True)
         except EOFError:
             return 0
+        _flag_state["task"] = request.get("task")
         _send(reply_fd, _answer_call(request, shell.user_ns))
+        _flag_state["task"] = None
 
 
 def _answer_call(request: dict, namespace: dict) -> dict:
@@ -509,7 +776,7 @@ def _answer_call(request: dict, namespace: dict) -> dict:
     from minillm.book.grading.registry import summarise_exception
 
     try:
-        answer = eval(request["answer"], namespace)  # noqa: S307 - the grader's own expression
+        answer = eval(compile(request["answer"], "<grader>", "eval"), namespace)  # noqa: S307 - the grader's own
     except Exception as exc:  # noqa: BLE001
         return {"kind": "error", "message": summarise_exception(exc), "forbidden": []}
     args, kwargs = request["args"], request["kwargs"]
@@ -533,7 +800,7 @@ def _answer_call(request: dict, namespace: dict) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 6:
-        sys.exit("usage: python -m minillm.book.grading.sandbox NOTEBOOK REQUEST_FD REPLY_FD MEMORY_BYTES CPU_S "
+        sys.exit("usage: python -m minillm.book.grading.sandbox REQUEST_FD REPLY_FD FLAG_FD MEMORY_BYTES CPU_S "
                  "(started by `minillm grade`)")
-    nb_path, req, rep, mem, cpu = sys.argv[1:]
-    sys.exit(serve(nb_path, int(req), int(rep), int(mem), int(cpu)))
+    req, rep, flag, mem, cpu = sys.argv[1:]
+    sys.exit(serve(int(req), int(rep), int(flag), int(mem), int(cpu)))
