@@ -19,11 +19,22 @@ from __future__ import annotations
 
 import ast
 import importlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 GRADER_PACKAGE = "minillm.book.grading"  # holds the grader's own answers: an answer may not use it...
 ALLOWED_GRADER_NAMES = {"minillm.book.grading.check", "minillm.book.grading.check.check"}  # ...except `check` itself
+
+
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(source: str, mode: str = "exec") -> ast.AST:
+    """`ast.parse`, one thread at a time: CPython 3.11's parser can fail with "AST constructor recursion
+    depth mismatch" when threads parse at once (`minillm grade -j N` grades notebooks in threads)."""
+    with _PARSE_LOCK:
+        return ast.parse(source, mode=mode)
 
 
 @dataclass
@@ -52,7 +63,7 @@ def read_source(cells: list[str]) -> NotebookSource:
     src = NotebookSource()
     for number, cell in enumerate(cells, 1):
         try:
-            tree = ast.parse(transform(cell))
+            tree = _parse(transform(cell))
         except SyntaxError as exc:
             src.unparsed[number] = f"line {exc.lineno}: {exc.msg}" + (f": {exc.text.strip()}" if exc.text else "")
             continue
@@ -197,7 +208,7 @@ def reached_names(src: NotebookSource, expression: str, max_depth: int = 12) -> 
     """Every dotted path outside the notebook that the answer `expression` refers to, directly or
     through the notebook's own functions, classes and assignments (resolved through its imports)."""
     try:
-        start = ast.parse(expression, mode="eval")
+        start = _parse(expression, mode="eval")
     except SyntaxError:
         return set()
     reached: set[str] = set()
@@ -222,7 +233,7 @@ def defines(src: NotebookSource, expression: str) -> bool:
     """Whether the notebook's text binds the answer (a `def`, class, assignment or import of its name;
     an answer written inline in the `check` call, such as a lambda, binds itself)."""
     try:
-        node = ast.parse(expression, mode="eval").body
+        node = _parse(expression, mode="eval").body
     except SyntaxError:
         return False
     dotted = _dotted(node)

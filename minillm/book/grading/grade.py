@@ -169,7 +169,12 @@ def _add_review_flags(grade: NotebookGrade, src: NotebookSource, flags: list[dic
     from the notebook's text or from running its cells could affect any task, so it goes on each."""
     everywhere = list(src.suspicious) + [f"while its cells ran: {f['flag']}" for f in flags if not f["task"]]
     for task in grade.tasks:
-        task.review += everywhere + [f"while it was tested: {f['flag']}" for f in flags if f["task"] == task.id]
+        during = [f["flag"] for f in flags if f["task"] == task.id]
+        task.review += everywhere + [f"while it was tested: {why}" for why in during]
+        if any("profiler" in why for why in during) and task.score > 0:  # its calls went unwatched
+            task.score = 0.0
+            task.reason = ("no credit: while it was tested, the answer switched the profiler through which the "
+                           "grader watches its calls, so they could not be checked. Remove that code.")
 
 
 def _all_failed(grade: NotebookGrade, chapter: Chapter | None, reason: str,
@@ -233,9 +238,8 @@ def find_notebooks(paths: list[str]) -> list[Path]:
 
 def load_extra_tests(folder: str | Path) -> int:
     """Import every .py file of `folder` (sorted); the tests they add are marked hidden. Returns how many."""
-    from minillm.book.grading.registry import TASKS
-
     from minillm.book.grading import registry
+    from minillm.book.grading.registry import TASKS
 
     folder = Path(folder)
     files = sorted(folder.glob("*.py"))
@@ -267,10 +271,24 @@ def grade_all(notebooks: list[Path], jobs: int = 1, progress: bool = True, **kwa
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             tqdm(total=len(notebooks), desc="grading", unit="notebook", disable=not progress,
                  file=sys.stderr) as bar:
-        futures = [pool.submit(grade_notebook, nb, **kwargs) for nb in notebooks]
+        futures = [pool.submit(_grade_or_report, nb, **kwargs) for nb in notebooks]
         for future in futures:
             future.add_done_callback(lambda _: bar.update(1))
         return [f.result() for f in futures]
+
+
+def _grade_or_report(path: Path, **kwargs: object) -> NotebookGrade:
+    """grade_notebook; should the grader itself fail on one notebook, that notebook says so and the class goes on."""
+    try:
+        return grade_notebook(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - one notebook must never stop the gradebook
+        book = load_book(kwargs.get("book_path"))  # type: ignore[arg-type]
+        grade = NotebookGrade(notebook=str(path), student=student_name(path, book))
+        chapter = book.chapter_of_notebook(path) or (book.chapter(str(kwargs["chapter_id"]))
+                                                     if kwargs.get("chapter_id") else None)
+        return _all_failed(grade, chapter, f"the grader failed on this notebook ({type(exc).__name__}: {exc}); "
+                                           "grade it again, and report it if it fails again",
+                           kwargs.get("points"))  # type: ignore[arg-type]
 
 
 def _chapters_in_book_order(grades: list[NotebookGrade], book: Book) -> list[Chapter]:
@@ -363,8 +381,8 @@ def feedback_text(student: str, grades: list[NotebookGrade], show_hidden: bool =
     what went wrong and the hint. Hidden tests are named with pass or fail only (unless `show_hidden`)."""
     lines = [f"# Feedback for {student}", ""]
     for g in grades:
-        lines += [f"## Chapter {g.chapter}: {g.score:g} / {g.max_score:g} points", "", f"Notebook: `{Path(g.notebook).name}`",
-                  ""]
+        lines += [f"## Chapter {g.chapter}: {g.score:g} / {g.max_score:g} points", "",
+                  f"Notebook: `{Path(g.notebook).name}`", ""]
         lines += [f"- {note}" for note in g.notes if not note.startswith("warning:")] + ([""] if g.notes else [])
         for t in g.tasks:
             lines += [f"### {t.id}: {t.score:.3g} / {t.points:g}", ""]
@@ -426,7 +444,10 @@ def parse_points(pairs: list[str], file: str | None) -> dict[str, float]:
         points[task_id.strip()] = value.strip()
     out = {}
     for task_id, value in points.items():
-        get_task(str(task_id))  # an unknown task id is an error that names the known ones
+        try:
+            get_task(str(task_id))
+        except KeyError as exc:  # an unknown task id: the message names the known ones
+            raise ValueError(f"--points: {exc.args[0]}") from None
         try:
             out[str(task_id)] = float(value)
         except (TypeError, ValueError):
