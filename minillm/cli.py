@@ -2,6 +2,7 @@
 
     minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
                      [--device cpu|cuda] [--quant int8|int4|nf4|fp8|gptq-int4|awq-int4|...] PROMPT
+    minillm export --gguf PATH [--dtype f32|f16|q8_0|q4_0] [--model NAME|PATH]
     minillm grade PATH... [-j N] [--chapter NN] [--timeout S] [--memory-gb G] [--extra-tests DIR]
                   [--csv FILE] [--json FILE]
     minillm drill [--chapter NN] [--tag T] [--level L] [-n K] [--answers FILE]
@@ -25,6 +26,7 @@ from minillm.shipped import DEFAULT_MODEL, shipped_models
 QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
 QUANT_HELP = ("quantise the weights first (chapter 06): int8/int4/nf4/fp8 round to nearest; gptq-int4, awq-int4 "
               "and smoothquant calibrate on the shipped training sample (default: none)")
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0")  # minillm.gguf_export.GGUF_TYPES, lower-cased
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # minillm.quant.kv.KV_CACHE_DTYPES, written out likewise
 KV_HELP = ("what the KV cache stores (chapter 06): auto (the model's dtype), or int8 / fp8 with a scale per token "
            "and head, about half the bytes (default: auto)")
@@ -97,6 +99,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"TTFT {ttft * 1e3:.1f} ms | decode {rate} tok/s]",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the model as a GGUF file llama.cpp runs (chapter 06)."""
+    with ctrl_c_exits_at_once():
+        from minillm.checkpoints import CheckpointError, load
+        from minillm.gguf_export import write_gguf
+
+        name = model_name(args)
+        model, tokenizer = load(name)
+    if tokenizer is None:
+        raise CheckpointError(f"{name} has no tokenizer.json, and a GGUF file carries its tokenizer; copy the "
+                              "model's tokenizer.json into the folder.")
+    try:
+        import gguf  # noqa: F401 - the writer comes from llama.cpp's own Python package
+    except ImportError:
+        raise ValueError("writing GGUF needs the gguf package: pip install gguf") from None
+    info = write_gguf(model, tokenizer, args.gguf, args.dtype)
+    print(f"wrote {args.gguf}: {info['file_bytes'] / 2**20:.1f} MiB, {info['quantised_tensors']} block linears in "
+          f"{args.dtype.upper()}, norms and embedding in F32")
     return 0
 
 
@@ -197,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30,
                      help="seconds open streams get to finish after SIGTERM before the server stops (default 30)")
     srv.set_defaults(func=cmd_serve)
+
+    exp = sub.add_parser("export", help="write the model as a GGUF file for llama.cpp",
+                         description="Write the model as a GGUF file that llama.cpp runs (chapter 06).")
+    exp.add_argument("--gguf", required=True, metavar="PATH", help="the .gguf file to write")
+    exp.add_argument("--dtype", choices=GGUF_DTYPES, default="q8_0",
+                     help="the block linears' type: f32, f16, q8_0 (8.5 bits) or q4_0 (4.5 bits) (default q8_0)")
+    exp.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    exp.set_defaults(func=cmd_export)
 
     from minillm.bench import add_bench_command
     from minillm.book.grading.drills import add_drill_command

@@ -1,4 +1,4 @@
-"""GGUF, llama.cpp's file format: write a model with Q8_0 or Q4_0 weights, and read it back (chapter 06).
+"""GGUF, llama.cpp's file format: write a model in F32, F16, Q8_0 or Q4_0, and read it back (chapter 06).
 
 GGUF is one file: a header of key-value metadata (architecture, sizes, the tokenizer's vocabulary
 and merges), a table of tensors (name, shape, type, offset), then the tensors' bytes. Quantised
@@ -21,6 +21,10 @@ usual choice for llama.cpp (Q4_K_M mixes Q4_K and Q6_K by tensor). They are not 
 
     write_gguf(model, tokenizer, "model.Q4_0.gguf", "Q4_0")   # block linears in Q4_0, the rest F32
     model2 = read_gguf("model.Q4_0.gguf")                       # a Transformer with the dequantised weights
+
+On the command line: `minillm export --gguf model.gguf --dtype q8_0` (f32, f16, q8_0 or q4_0). The file
+also says whether the tokenizer adds `<s>` / `</s>` to a text prompt (`tokenizer.ggml.add_bos_token`),
+so llama.cpp tokenises a prompt as minillm does and continues it the same way.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 QUANTISERS = {"Q8_0": q8_0_blocks, "Q4_0": q4_0_blocks}
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
 
 # minillm / Hugging Face checkpoint names -> llama.cpp's (per block: blk.N.<name>)
 _BLOCK_NAMES = {
@@ -128,15 +134,16 @@ def interleaved_to_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def write_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype: str = "Q8_0") -> dict[str, int]:
-    """Write `model` to a GGUF file: block linears in `qtype` (Q8_0 or Q4_0), norms and embedding in F32.
+    """Write `model` to a GGUF file: block linears in `qtype` (F32, F16, Q8_0 or Q4_0), norms and embedding in F32.
 
-    Returns {"file_bytes": ..., "quantised_tensors": ...}. The tokenizer goes in as a GPT-2-style
-    byte-level BPE (tokens, merges, <s>/</s>), as llama.cpp reads it.
+    Returns {"file_bytes": ..., "quantised_tensors": ...} (the block linears written in `qtype`). The
+    tokenizer goes in as a GPT-2-style byte-level BPE (tokens, merges, <s>/</s>), as llama.cpp reads it.
     """
     import gguf  # the reference writer (PyPI `gguf`, from llama.cpp)
 
-    if qtype not in QUANTISERS:
-        raise ValueError(f"qtype must be one of {sorted(QUANTISERS)}, got {qtype!r}.")
+    qtype = qtype.upper()
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"the GGUF type must be one of {', '.join(GGUF_TYPES)}, got {qtype!r}.")
     c = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(c.max_seq_len)
@@ -148,9 +155,11 @@ def write_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0)
+    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+    writer.add_file_type(file_types[qtype])
     _add_tokenizer(writer, tokenizer)
-    n_quantised = 0
+    n_block_linears = 0
     for name, t in to_checkpoint_names(model).items():
         if name == "lm_head.weight" and c.tie_embeddings:
             continue
@@ -160,16 +169,27 @@ def write_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype
         elif name.endswith("k_proj.weight"):
             t = rotary_to_interleaved(t, c.n_kv_heads)
         if ".layers." in name and name.endswith("proj.weight"):
-            blocks = QUANTISERS[qtype](t).reshape(t.shape[0], -1).numpy()
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
-            n_quantised += 1
+            if qtype in FLOAT_TYPES:
+                writer.add_tensor(gguf_name(name), t.numpy().astype(FLOAT_TYPES[qtype]))
+            else:
+                blocks = QUANTISERS[qtype](t).reshape(t.shape[0], -1).numpy()
+                writer.add_tensor(gguf_name(name), blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+            n_block_linears += 1
         else:
             writer.add_tensor(gguf_name(name), t.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"file_bytes": Path(path).stat().st_size, "quantised_tensors": n_quantised}
+    return {"file_bytes": Path(path).stat().st_size, "quantised_tensors": n_block_linears}
+
+
+def special_tokens_added(tokenizer: Tokenizer) -> tuple[bool, bool]:
+    """(adds BOS, adds EOS): what minillm's tokenizer puts around a text prompt, read off an encoding."""
+    plain, templated = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a")
+    bos = tokenizer.bos_token_id is not None and templated[:1] == [tokenizer.bos_token_id] != plain[:1]
+    eos = bool(tokenizer.eos_token_ids) and templated[-1:] == tokenizer.eos_token_ids[:1] != plain[-1:]
+    return bos, eos
 
 
 def _add_tokenizer(writer, tokenizer: Tokenizer) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
@@ -187,6 +207,9 @@ def _add_tokenizer(writer, tokenizer: Tokenizer) -> None:  # noqa: ANN001 - a gg
         writer.add_bos_token_id(tokenizer.bos_token_id)
     if tokenizer.eos_token_ids:
         writer.add_eos_token_id(tokenizer.eos_token_ids[0])
+    adds_bos, adds_eos = special_tokens_added(tokenizer)  # else llama.cpp guesses, and may leave <s> out
+    writer.add_add_bos_token(adds_bos)
+    writer.add_add_eos_token(adds_eos)
 
 
 def read_gguf(path: str | Path, config: ModelConfig | None = None) -> Transformer:

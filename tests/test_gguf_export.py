@@ -97,3 +97,69 @@ def test_written_file_reads_back_to_the_dequantised_model(qtype, tmp_path):
         p, q = model(ids)[0, -1].log_softmax(-1), back(ids)[0, -1].log_softmax(-1)
     kl = (p.exp() * (p - q)).sum().item()
     assert kl < (0.01 if qtype == "Q8_0" else 0.1), f"KL(model || {qtype} file) = {kl:.4f}"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16"])
+def test_float_files_hold_every_tensor_and_the_tokenizers_bos_rule(qtype, tmp_path):
+    """F32 reads back exactly, F16 to fp16 rounding; the tokenizer's tokens, merges, BOS/EOS ids and the
+    add-BOS flag (minillm puts <s> before a text prompt, so llama.cpp must too) are in the file."""
+    from minillm.checkpoints import to_checkpoint_names
+    from minillm.gguf_export import gguf_name, special_tokens_added
+
+    model, tok = minillm.load(minillm.DEFAULT_MODEL)
+    path = tmp_path / f"m.{qtype}.gguf"
+    write_gguf(model, tok, path, qtype.lower())  # the CLI's lower-case names work too
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    expected_names = {gguf_name(n) for n in to_checkpoint_names(model) if n != "lm_head.weight"}
+    assert set(tensors) == expected_names
+    for name, t in to_checkpoint_names(model).items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding: llama.cpp reuses token_embd
+        stored = tensors[gguf_name(name)]
+        block_linear = ".layers." in name and name.endswith("proj.weight")
+        assert stored.tensor_type.name == (qtype if block_linear else "F32"), name
+    back = read_gguf(path)
+    for (name, ours), theirs in zip(to_checkpoint_names(model).items(), to_checkpoint_names(back).values()):
+        if qtype == "F32" or not name.endswith("proj.weight"):
+            assert torch.equal(ours.float(), theirs), name
+        else:
+            assert torch.equal(ours.half().float(), theirs), name
+    fields = reader.fields
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == tok.bos_token_id
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_ids[0]
+    assert (fields["tokenizer.ggml.add_bos_token"].contents(), fields["tokenizer.ggml.add_eos_token"].contents()) \
+        == special_tokens_added(tok) == (True, False)
+    assert len(fields["tokenizer.ggml.merges"].contents()) > 0
+
+
+def test_unknown_gguf_type_is_refused(tmp_path):
+    model, tok = minillm.load(minillm.DEFAULT_MODEL)
+    with pytest.raises(ValueError, match="F32, F16, Q8_0, Q4_0"):
+        write_gguf(model, tok, tmp_path / "x.gguf", "Q5_K")
+
+
+def test_export_command_writes_the_file(tmp_path, capsys):
+    from minillm.cli import main
+
+    path = tmp_path / "model.q4_0.gguf"
+    assert main(["export", "--gguf", str(path), "--dtype", "q4_0"]) == 0
+    assert "42 block linears in Q4_0" in capsys.readouterr().out
+    assert gguf.GGUFReader(str(path)).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_llama_cpp_continues_a_text_prompt_as_minillm_does(qtype, tmp_path):
+    """Where llama-cpp-python is installed (not in CI: it compiles llama.cpp), it runs the export on a text
+    prompt, tokenised by llama.cpp itself, and greedy decoding gives minillm's tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it compiles for ~20 min)")
+    model, tok = minillm.load(minillm.DEFAULT_MODEL)
+    path = tmp_path / f"m.{qtype}.gguf"
+    write_gguf(model, tok, path, qtype)
+    prompt = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    assert llm.tokenize(prompt.encode()) == tok.encode(prompt), "llama.cpp tokenises the prompt differently"
+    theirs = llm(prompt, max_tokens=24, temperature=0.0, top_k=1)["choices"][0]["text"]
+    source = model if qtype == "F32" else read_gguf(path)  # Q8_0: minillm on the file's own dequantised weights
+    ours = minillm.generate(source, prompt, minillm.SamplingParams(temperature=0.0, max_tokens=24), tok).text
+    assert theirs == ours

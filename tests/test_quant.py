@@ -320,7 +320,11 @@ def test_task_5_weight_only_forward_is_f_linear_of_the_dequantised_weight(fmt):
     q = quantize_weight(w, fmt, group_size=64)
     layer = QuantLinear(q, bias)
     assert (layer.in_features, layer.out_features) == (128, 48)
-    torch.testing.assert_close(layer(x), F.linear(x, q.dequantize(), bias))
+    expected = F.linear(x, q.dequantize(), bias)
+    if fmt == "int8":  # the CPU's int8 kernel multiplies in bf16: equal up to bf16 rounding (2^-8 of the row's size)
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=2**-8 * expected.abs().max().item() * 2)
+    else:
+        torch.testing.assert_close(layer(x), expected)
     torch.testing.assert_close(layer.dequantized_weight(), q.dequantize())
     assert layer.nbytes() == q.nbytes()
 
@@ -332,9 +336,11 @@ def test_task_5_input_scale_is_migrated_out_of_the_weight():
     x = torch.randn(10, 64, generator=gen(14))
     q = quantize_int(w * s, 8, "channel")
     layer = QuantLinear(q, input_scale=s)
-    torch.testing.assert_close(layer(x), F.linear(x / s, q.dequantize()))
+    expected = F.linear(x / s, q.dequantize())
+    bf16 = 2**-8 * expected.abs().max().item() * 2  # the CPU's int8 kernel multiplies in bf16
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=bf16)
     effective = q.dequantize() / s  # the weight the layer applies to x
-    torch.testing.assert_close(layer(x), x @ effective.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), x @ effective.T, rtol=0, atol=bf16)
     assert ((effective - w).abs() <= q.scale / (2 * s) * (1 + 1e-4)).all(), (
         "each effective weight must lie within half of its row's int8 step (divided by s_j) of W")
     rel = ((layer(x) - x @ w.T).norm() / (x @ w.T).norm()).item()
@@ -385,6 +391,26 @@ def test_task_5_quant_linear_to_moves_buffers():
     layer.to("meta")
     assert {t.device.type for t in (*layer.buffers(), *layer.parameters())} == {"meta"}
     assert layer.quantized().codes.device.type == "meta", "quantized() must hand out the moved tensors"
+
+
+def test_task_5_int8_per_channel_stays_int8_on_the_cpu(monkeypatch):
+    """The CPU forward of a symmetric int8 per-channel layer reads the int8 codes (PyTorch's weight-only kernel)
+    and never dequantises; it matches the dequantised product up to bf16 rounding of the activations."""
+    from minillm.quant.formats import IntQuantized
+
+    w = torch.randn(48, 64, generator=gen(21))
+    x = torch.randn(3, 5, 64, generator=gen(22))
+    layer = QuantLinear(quantize_int(w, 8, "channel"), torch.randn(48, generator=gen(23)))
+    assert layer.int8_per_channel and layer.codes.dtype == torch.int8
+    expected = F.linear(x, layer.dequantized_weight(), layer.bias)
+    monkeypatch.setattr(IntQuantized, "dequantize", lambda *a, **k: pytest.fail("the CPU int8 path dequantised"))
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 5, 48)
+    bf16 = 2**-8 * expected.abs().max().item() * 2  # the kernel multiplies in bf16
+    torch.testing.assert_close(got, expected, rtol=0, atol=bf16)
+    torch.testing.assert_close(layer(x.bfloat16()).float(), expected, rtol=0, atol=2 * bf16)
+    layer.half()  # every float buffer cast, the bf16 scales included: the kernel still gets bf16 scales
+    torch.testing.assert_close(layer(x.half()).float(), expected, rtol=0, atol=2 * bf16)
 
 
 def test_task_5_quant_linear_rejects_bad_options():

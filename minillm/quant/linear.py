@@ -5,9 +5,12 @@
 unchanged. With `act_bits=8` its activations are quantised too and multiplied in integers
 (`int8_matmul`, W8A8); LLM.int8()'s outlier split is its `outlier_threshold`.
 
-On the CPU `QuantLinear` dequantises its weight and calls `F.linear`: simple and exact, but no
-faster than the unquantised model. On a CUDA GPU, 4-bit weights run minillm's Triton W4A16 kernel
-(`minillm.kernels.w4a16`), which reads the packed weights and dequantises them in registers.
+Weight-only layers multiply the stored codes directly where a kernel reads them: on the CPU, 8-bit
+per-channel weights run PyTorch's int8 weight-only matmul (`aten._weight_int8pack_mm`, the kernel
+gpt-fast and torchao use): the weights stay int8 in memory and each step streams a quarter of fp32's
+bytes. On a CUDA GPU, 4-bit weights run minillm's Triton W4A16 kernel (`minillm.kernels.w4a16`),
+which reads the packed weights and dequantises them in registers. Every other case dequantises the
+weight and calls `F.linear`: simple and exact, but no faster than the unquantised model.
 
 `block_linears` finds the linears of the transformer blocks (what every method replaces; the
 embedding and the tied lm_head stay in the model's dtype, as in most int4 checkpoints), `set_module`
@@ -37,6 +40,26 @@ def int8_matmul(x: torch.Tensor, w: IntQuantized) -> torch.Tensor:
     xq, sx = quantize_per_token(x)
     acc = xq.float() @ w.codes.float().T
     return acc * sx * w.scale.reshape(1, -1)
+
+
+def int8_weight_only_cpu(x: torch.Tensor, codes: torch.Tensor, scale_bf16: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (on the CPU) @ (codes * scale).T for int8 codes [N, K] and bf16 scales [N]: [..., N] in x's dtype.
+
+    The codes are read as int8 by PyTorch's weight-only kernel, which widens each as it multiplies and
+    applies the row's scale once at the end: y[n] = scale[n] * sum_k x[k] * codes[n, k]. The kernel's
+    vectorised path takes bf16 activations (with fp32 ones it is several times slower than fp32's own
+    matmul), so x is rounded to bf16 for the product: 8 bits of mantissa, where llama.cpp's Q8_0 dot
+    product rounds activations to 8-bit integers.
+    """
+    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if scale_bf16.dtype != torch.bfloat16:  # the model was cast (model.half() casts every float buffer)
+        scale_bf16 = scale_bf16.to(torch.bfloat16)
+    y = torch.ops.aten._weight_int8pack_mm(flat, codes, scale_bf16)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def _int8_per_channel(w: Quantized) -> bool:
+    return isinstance(w, IntQuantized) and w.bits == 8 and w.zero is None and w.group_size == w.shape[1]
 
 
 # ----------------------------------------------------------------------------------------- the layer
@@ -76,6 +99,10 @@ class QuantLinear(nn.Module):
         self.act_bits, self.outlier_threshold = act_bits, outlier_threshold
         self.out_features, self.in_features = self.shape
         self._kernel_weight = None  # on CUDA, a 4-bit weight repacked for the W4A16 kernels (built on first use)
+        # symmetric int8 per channel: the CPU kernel reads `codes` with these scales in bf16 (kept, not remade per call)
+        self.int8_per_channel = _int8_per_channel(weight)
+        self.register_buffer("scale_bf16", weight.scale.reshape(-1).to(torch.bfloat16) if self.int8_per_channel
+                             else None, persistent=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,6 +119,8 @@ class QuantLinear(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - nn.Module's signature
         self._kernel_weight = None  # new codes: repack them at the next CUDA forward
         super()._load_from_state_dict(*args, **kwargs)
+        if self.int8_per_channel:  # new scales: their bf16 copy follows
+            self.scale_bf16 = self.scale.reshape(-1).to(torch.bfloat16)
 
     def nbytes(self) -> int:
         """Bytes of the stored weight (scales included) and of any migrated input scale."""
@@ -109,6 +138,8 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _weight_only_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_per_channel and x.device.type == "cpu" and x.is_floating_point():
+            return int8_weight_only_cpu(x, self.codes, self.scale_bf16)
         q = self.quantized()
         if isinstance(q, IntQuantized) and q.bits == 4 and q.zero is not None and x.is_cuda:
             from minillm.kernels.w4a16 import w4a16_linear, w4a16_pack  # the fused kernels, in their own layout

@@ -1,0 +1,155 @@
+"""Batch-1 decode on a laptop-class CPU: minillm against llama.cpp, on the same shipped model.
+
+The shipped `shakespeare-11m`, greedy, `--tokens` new tokens after a short prompt, at 1 and 2 threads,
+`--repeats` runs of every configuration interleaved (medians reported):
+
+- minillm `generate` in fp32, in bf16, and with `--quant int8` (weights stay int8 on the CPU and are
+  multiplied by PyTorch's int8 weight-only kernel, `aten._weight_int8pack_mm`);
+- llama.cpp (PyPI `llama-cpp-python`) on minillm's own GGUF exports (F32, F16, Q8_0), when
+  `llama_cpp` is importable; skipped with a message when it is not (it compiles llama.cpp, ~20 min).
+
+Also one decode step of the model's forward, profiled: PyTorch ops per step, and how the step's wall
+time splits between the ops themselves and the Python and dispatch around them.
+
+    python benchmarks/cpu_decode.py          # writes results/cpu_decode_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import write_results
+
+import minillm
+from minillm.kv_cache import KVCache
+from minillm.quant import quantize_by_name
+
+PROMPT = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+
+
+def load(config: str) -> tuple[minillm.Transformer, minillm.Tokenizer]:
+    model, tokenizer = minillm.load(minillm.DEFAULT_MODEL)
+    if config == "bf16":
+        model = model.to(torch.bfloat16)
+    elif config == "int8":
+        quantize_by_name(model, "int8", tokenizer)
+    return model.eval(), tokenizer
+
+
+def minillm_decode_tok_s(model: minillm.Transformer, tokenizer: minillm.Tokenizer, tokens: int) -> float:
+    """Decode tokens/s of `generate_stream`: tokens after the first over the time after the first."""
+    params = minillm.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    chunks = list(minillm.generate_stream(model, PROMPT, params, tokenizer))
+    return (len(chunks) - 1) / (chunks[-1].time_s - chunks[0].time_s)
+
+
+def llama_cpp_decode_tok_s(path: Path, prompt_ids: list[int], tokens: int, threads: int) -> float:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    times = []
+    for _ in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == tokens:
+            break
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+@torch.inference_mode()
+def profile_step(model: minillm.Transformer, tokenizer: minillm.Tokenizer, repeats: int = 20) -> dict[str, float]:
+    """One decode step's forward (context ~32): ops, wall ms, ms inside ops, ms of Python and dispatch."""
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    cache = KVCache(model.config, 1, ids.shape[1] + repeats + 8, dtype=dtype)
+    model(ids, cache=cache)
+    token = torch.tensor([[int(ids[0, -1])]])
+    for _ in range(3):  # warm-up
+        model(token, cache=cache)
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(token, cache=cache)
+        walls.append(time.perf_counter() - start)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(token, cache=cache)
+    top = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    in_ops_ms = sum(e.cpu_time_total for e in top) / 1e3
+    wall_ms = statistics.median(walls) * 1e3
+    return {"ops_per_step": len(top), "step_ms": wall_ms, "in_ops_ms": in_ops_ms,
+            "python_and_dispatch_ms": max(wall_ms - in_ops_ms, 0.0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=["fp32", "bf16", "int8"])
+    args = parser.parse_args()
+
+    models = {name: load(name) for name in args.configs}
+    tokenizer = models[args.configs[0]][1]
+    prompt_ids = tokenizer.encode(PROMPT)
+    runs: dict[tuple[str, int], list[float]] = {}
+    ggufs: dict[str, Path] = {}
+    try:
+        import llama_cpp  # noqa: F401
+
+        from minillm.gguf_export import write_gguf
+
+        folder = Path(tempfile.mkdtemp(prefix="minillm-gguf-"))
+        for qtype in ("F32", "F16", "Q8_0"):
+            ggufs[f"llama.cpp {qtype}"] = folder / f"model.{qtype}.gguf"
+            write_gguf(models["fp32"][0] if "fp32" in models else load("fp32")[0], tokenizer,
+                       ggufs[f"llama.cpp {qtype}"], qtype)
+        llama_note = f"llama-cpp-python {llama_cpp.__version__}"
+    except ImportError:
+        llama_note = "llama_cpp is not installed (pip install llama-cpp-python, ~20 min to compile): skipped"
+        print(llama_note)
+
+    for repeat in range(args.repeats):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for name, (model, tok) in models.items():
+                rate = minillm_decode_tok_s(model, tok, args.tokens)
+                runs.setdefault((f"minillm {name}", threads), []).append(rate)
+                print(f"repeat {repeat + 1}, {threads} thread(s): minillm {name:<5} {rate:7.1f} tok/s", flush=True)
+            for name, path in ggufs.items():
+                rate = llama_cpp_decode_tok_s(path, prompt_ids, args.tokens, threads)
+                runs.setdefault((name, threads), []).append(rate)
+                print(f"repeat {repeat + 1}, {threads} thread(s): {name:<13} {rate:7.1f} tok/s", flush=True)
+
+    torch.set_num_threads(1)
+    profiles = {name: profile_step(model, tok) for name, (model, tok) in models.items()}
+    rows = [{"system": system, "threads": threads, "decode_tok_s": statistics.median(rates), "runs": rates}
+            for (system, threads), rates in runs.items()]
+    median = {(r["system"], r["threads"]): r["decode_tok_s"] for r in rows}
+    ratios = {}
+    for threads in args.threads:
+        for name, ref in (("minillm fp32", "llama.cpp F32"), ("minillm bf16", "llama.cpp F16"),
+                          ("minillm int8", "llama.cpp Q8_0"), ("minillm int8", "minillm fp32")):
+            if (name, threads) in median and (ref, threads) in median:
+                ratios[f"{name} / {ref}, {threads} thread(s)"] = median[(name, threads)] / median[(ref, threads)]
+    write_results("cpu_decode_cpu", {
+        "benchmark": "batch-1 greedy decode on the CPU, minillm against llama.cpp",
+        "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
+                     "threads": args.threads, "prompt": PROMPT},
+        "llama_cpp": llama_note, "rows": rows, "ratios": ratios, "step_profile_1_thread": profiles,
+    })
+    print(f"\n{'system':<16} " + " ".join(f"{t} thread(s)".rjust(12) for t in args.threads))
+    for system in dict.fromkeys(s for s, _ in median):
+        print(f"{system:<16} " + " ".join(f"{median.get((system, t), float('nan')):12.1f}" for t in args.threads))
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}x")
+    for name, p in profiles.items():
+        print(f"minillm {name}: {p['ops_per_step']} ops per step, {p['step_ms']:.2f} ms "
+              f"({p['in_ops_ms']:.2f} in ops, {p['python_and_dispatch_ms']:.2f} Python and dispatch)")
+
+
+if __name__ == "__main__":
+    main()
