@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,16 +50,28 @@ def minillm_decode_tok_s(model: minillm.Transformer, tokenizer: minillm.Tokenize
     return (len(chunks) - 1) / (chunks[-1].time_s - chunks[0].time_s)
 
 
-def llama_cpp_decode_tok_s(path: Path, prompt_ids: list[int], tokens: int, threads: int) -> float:
-    from llama_cpp import Llama
+LLAMA_CPP_RUN = """
+import sys, time
+from llama_cpp import Llama
+path, threads, tokens, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(i) for i in sys.argv[4].split(",")]
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+times = []
+for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+    times.append(time.perf_counter())
+    if len(times) == tokens:
+        break
+print((len(times) - 1) / (times[-1] - times[0]))
+"""
 
-    llm = Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    times = []
-    for _ in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
-        times.append(time.perf_counter())
-        if len(times) == tokens:
-            break
-    return (len(times) - 1) / (times[-1] - times[0])
+
+def llama_cpp_decode_tok_s(path: Path, prompt_ids: list[int], tokens: int, threads: int) -> float | None:
+    """llama.cpp's decode tokens/s on `path`, in a process of its own (None if it crashed: it is C code)."""
+    proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_RUN, str(path), str(threads), str(tokens),
+                           ",".join(map(str, prompt_ids))], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        print(f"llama.cpp on {path.name} ended with status {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        return None
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 @torch.inference_mode()
@@ -90,6 +104,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--configs", nargs="+", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--gguf-types", nargs="+", default=["F32", "F16", "Q8_0"], help="llama.cpp's files")
+    parser.add_argument("--llama-cpp-build", default="", help="how llama-cpp-python was built, for the results")
     args = parser.parse_args()
 
     models = {name: load(name) for name in args.configs}
@@ -97,17 +113,18 @@ def main() -> None:
     prompt_ids = tokenizer.encode(PROMPT)
     runs: dict[tuple[str, int], list[float]] = {}
     ggufs: dict[str, Path] = {}
+    crashed: set[str] = set()
     try:
         import llama_cpp  # noqa: F401
 
         from minillm.gguf_export import write_gguf
 
         folder = Path(tempfile.mkdtemp(prefix="minillm-gguf-"))
-        for qtype in ("F32", "F16", "Q8_0"):
+        for qtype in args.gguf_types:
             ggufs[f"llama.cpp {qtype}"] = folder / f"model.{qtype}.gguf"
             write_gguf(models["fp32"][0] if "fp32" in models else load("fp32")[0], tokenizer,
                        ggufs[f"llama.cpp {qtype}"], qtype)
-        llama_note = f"llama-cpp-python {llama_cpp.__version__}"
+        llama_note = f"llama-cpp-python {llama_cpp.__version__} {args.llama_cpp_build}".strip()
     except ImportError:
         llama_note = "llama_cpp is not installed (pip install llama-cpp-python, ~20 min to compile): skipped"
         print(llama_note)
@@ -121,6 +138,9 @@ def main() -> None:
                 print(f"repeat {repeat + 1}, {threads} thread(s): minillm {name:<5} {rate:7.1f} tok/s", flush=True)
             for name, path in ggufs.items():
                 rate = llama_cpp_decode_tok_s(path, prompt_ids, args.tokens, threads)
+                if rate is None:
+                    crashed.add(name)
+                    continue
                 runs.setdefault((name, threads), []).append(rate)
                 print(f"repeat {repeat + 1}, {threads} thread(s): {name:<13} {rate:7.1f} tok/s", flush=True)
 
@@ -139,7 +159,8 @@ def main() -> None:
         "benchmark": "batch-1 greedy decode on the CPU, minillm against llama.cpp",
         "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "prompt": PROMPT},
-        "llama_cpp": llama_note, "rows": rows, "ratios": ratios, "step_profile_1_thread": profiles,
+        "llama_cpp": llama_note, "llama_cpp_crashed": sorted(crashed), "rows": rows, "ratios": ratios,
+        "step_profile_1_thread": profiles,
     })
     print(f"\n{'system':<16} " + " ".join(f"{t} thread(s)".rjust(12) for t in args.threads))
     for system in dict.fromkeys(s for s, _ in median):

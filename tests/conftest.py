@@ -131,3 +131,14 @@ def needs_bwrap() -> None:
         if os.environ.get("CI"):
             pytest.fail(problem + " (CI is set, so this fails instead of skipping)")
         pytest.skip(problem)
+
+
+# An honest answer to chapter 00's rotary task, for notebooks the grader tests build (tests/test_grading*.py)
+GRADER_IMPORTS = "import torch\nfrom minillm.book.grading import check"
+OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2).float() / d)
+    ang = positions.float()[:, None] * freqs
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)"""

@@ -113,7 +113,7 @@ def test_float_files_hold_every_tensor_and_the_tokenizers_bos_rule(qtype, tmp_pa
     tensors = {t.name: t for t in reader.tensors}
     expected_names = {gguf_name(n) for n in to_checkpoint_names(model) if n != "lm_head.weight"}
     assert set(tensors) == expected_names
-    for name, t in to_checkpoint_names(model).items():
+    for name in to_checkpoint_names(model):
         if name == "lm_head.weight":
             continue  # tied to the embedding: llama.cpp reuses token_embd
         stored = tensors[gguf_name(name)]

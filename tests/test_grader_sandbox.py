@@ -15,6 +15,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import GRADER_IMPORTS
+from conftest import OWN_ROPE as OWN_ROPE_ONLY
 
 from minillm.book import load_book
 from minillm.book.grading import TASKS, get_task
@@ -22,15 +24,8 @@ from minillm.book.grading.grade import grade_all
 from minillm.book.grading.sandbox import Sandbox
 from minillm.cli import main
 
-IMPORTS = "import torch\nfrom minillm.book.grading import check"
-OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    freqs = theta ** (-torch.arange(0, d, 2).float() / d)
-    ang = positions.float()[:, None] * freqs
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
-check('00.rotary', apply_rope)"""
+IMPORTS = GRADER_IMPORTS
+OWN_ROPE = OWN_ROPE_ONLY + "\ncheck('00.rotary', apply_rope)"
 BLANK_RMS = "def rms_norm(x, weight, eps=1e-5):\n    raise NotImplementedError('write it')"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from conftest import GRADER_IMPORTS, OWN_ROPE
 
 from minillm.arithmetic import cdiv
 from minillm.book import load_book
@@ -314,16 +315,9 @@ def _notebook(path, *sources):
     return path
 
 
-IMPORTS = "import torch\nfrom minillm.book.grading import check"
+IMPORTS = GRADER_IMPORTS
 OWN_COUNT = "from minillm import arithmetic\ndef count_params(config):\n    return arithmetic.weight_bytes(config, 8)"
 BLANK_RMS = "def rms_norm(x, weight, eps=1e-5):\n    raise NotImplementedError('write it')"
-OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    freqs = theta ** (-torch.arange(0, d, 2).float() / d)
-    ang = positions.float()[:, None] * freqs
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)"""
 
 # Each route a notebook might take to a grade it did not earn; the forged task is 00.rms_norm, whose
 # function is blank or not the reader's own, while 00.rotary is honestly solved in every notebook.
