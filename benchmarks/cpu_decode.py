@@ -4,7 +4,9 @@ The shipped `shakespeare-11m`, greedy, `--tokens` new tokens after a short promp
 `--repeats` runs of every configuration interleaved (medians reported):
 
 - minillm `generate` in fp32, in bf16, and with `--quant int8` (weights stay int8 on the CPU and are
-  multiplied by PyTorch's int8 weight-only kernel, `aten._weight_int8pack_mm`);
+  multiplied by PyTorch's int8 weight-only kernel, `aten._weight_int8pack_mm`), each eager and with
+  `compile_decode=True` (the decode step compiled by `torch.compile`; its one-time compile is done
+  before the timed runs and reported apart);
 - llama.cpp (PyPI `llama-cpp-python`) on minillm's own GGUF exports (F32, F16, Q8_0), when
   `llama_cpp` is importable; skipped with a message when it is not (it compiles llama.cpp, ~20 min).
 
@@ -35,18 +37,21 @@ PROMPT = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
 
 
 def load(config: str) -> tuple[minillm.Transformer, minillm.Tokenizer]:
+    """The shipped model as `config` says: "fp32", "bf16" or "int8", with "+compile" for a compiled decode step."""
     model, tokenizer = minillm.load(minillm.DEFAULT_MODEL)
-    if config == "bf16":
+    dtype = config.removesuffix("+compile")
+    if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    elif config == "int8":
+    elif dtype == "int8":
         quantize_by_name(model, "int8", tokenizer)
     return model.eval(), tokenizer
 
 
-def minillm_decode_tok_s(model: minillm.Transformer, tokenizer: minillm.Tokenizer, tokens: int) -> float:
+def minillm_decode_tok_s(model: minillm.Transformer, tokenizer: minillm.Tokenizer, tokens: int,
+                         compile_decode: bool = False) -> float:
     """Decode tokens/s of `generate_stream`: tokens after the first over the time after the first."""
     params = minillm.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    chunks = list(minillm.generate_stream(model, PROMPT, params, tokenizer))
+    chunks = list(minillm.generate_stream(model, PROMPT, params, tokenizer, compile_decode=compile_decode))
     return (len(chunks) - 1) / (chunks[-1].time_s - chunks[0].time_s)
 
 
@@ -100,12 +105,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--configs", nargs="+", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--configs", nargs="+",
+                        default=["fp32", "bf16", "int8", "fp32+compile", "bf16+compile", "int8+compile"])
     parser.add_argument("--gguf-types", nargs="+", default=["F32", "F16", "Q8_0"], help="llama.cpp's files")
     parser.add_argument("--llama-cpp-build", default="", help="how llama-cpp-python was built, for the results")
     args = parser.parse_args()
 
     models = {name: load(name) for name in args.configs}
+    compile_s: dict[str, float] = {}
     tokenizer = models[args.configs[0]][1]
     prompt_ids = tokenizer.encode(PROMPT)
     runs: dict[tuple[str, int], list[float]] = {}
@@ -126,13 +133,20 @@ def main() -> None:
         llama_note = "llama_cpp is not installed (pip install llama-cpp-python, ~20 min to compile): skipped"
         print(llama_note)
 
-    for repeat in range(args.repeats):
-        for threads in args.threads:
-            torch.set_num_threads(threads)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()  # Inductor's C++ loops are built for the thread count they were compiled under
+        for name, (model, tok) in models.items():
+            if name.endswith("+compile"):  # the one-time compile, at this thread count, before the timed runs
+                start = time.perf_counter()
+                minillm_decode_tok_s(model, tok, 8, compile_decode=True)
+                compile_s[f"{name}, {threads} thread(s)"] = time.perf_counter() - start
+                print(f"minillm {name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
+        for repeat in range(args.repeats):
             for name, (model, tok) in models.items():
-                rate = minillm_decode_tok_s(model, tok, args.tokens)
+                rate = minillm_decode_tok_s(model, tok, args.tokens, name.endswith("+compile"))
                 runs.setdefault((f"minillm {name}", threads), []).append(rate)
-                print(f"repeat {repeat + 1}, {threads} thread(s): minillm {name:<5} {rate:7.1f} tok/s", flush=True)
+                print(f"repeat {repeat + 1}, {threads} thread(s): minillm {name:<12} {rate:7.1f} tok/s", flush=True)
             for name, path in ggufs.items():
                 rate = llama_cpp_decode_tok_s(path, prompt_ids, args.tokens, threads)
                 if rate is None:
@@ -142,26 +156,28 @@ def main() -> None:
                 print(f"repeat {repeat + 1}, {threads} thread(s): {name:<13} {rate:7.1f} tok/s", flush=True)
 
     torch.set_num_threads(1)
-    profiles = {name: profile_step(model, tok) for name, (model, tok) in models.items()}
+    profiles = {name: profile_step(model, tok) for name, (model, tok) in models.items() if "+" not in name}
     rows = [{"system": system, "threads": threads, "decode_tok_s": statistics.median(rates), "runs": rates}
             for (system, threads), rates in runs.items()]
     median = {(r["system"], r["threads"]): r["decode_tok_s"] for r in rows}
     ratios = {}
     for threads in args.threads:
-        for name, ref in (("minillm fp32", "llama.cpp F32"), ("minillm bf16", "llama.cpp F16"),
-                          ("minillm int8", "llama.cpp Q8_0"), ("minillm int8", "minillm fp32")):
+        pairs = [(f"minillm {d}{c}", ref) for c in ("", "+compile")
+                 for d, ref in (("fp32", "llama.cpp F32"), ("bf16", "llama.cpp F16"), ("int8", "llama.cpp Q8_0"))]
+        pairs += [("minillm int8", "minillm fp32"), ("minillm fp32+compile", "minillm fp32")]
+        for name, ref in pairs:
             if (name, threads) in median and (ref, threads) in median:
                 ratios[f"{name} / {ref}, {threads} thread(s)"] = median[(name, threads)] / median[(ref, threads)]
     write_results("cpu_decode_cpu", {
         "benchmark": "batch-1 greedy decode on the CPU, minillm against llama.cpp",
         "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "prompt": PROMPT},
-        "llama_cpp": llama_note, "llama_cpp_crashed": sorted(crashed), "rows": rows, "ratios": ratios,
-        "step_profile_1_thread": profiles,
+        "compile_s": compile_s, "llama_cpp": llama_note, "llama_cpp_crashed": sorted(crashed), "rows": rows,
+        "ratios": ratios, "step_profile_1_thread": profiles,
     })
-    print(f"\n{'system':<16} " + " ".join(f"{t} thread(s)".rjust(12) for t in args.threads))
+    print(f"\n{'system':<22} " + " ".join(f"{t} thread(s)".rjust(12) for t in args.threads))
     for system in dict.fromkeys(s for s, _ in median):
-        print(f"{system:<16} " + " ".join(f"{median.get((system, t), float('nan')):12.1f}" for t in args.threads))
+        print(f"{system:<22} " + " ".join(f"{median.get((system, t), float('nan')):12.1f}" for t in args.threads))
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     for name, p in profiles.items():

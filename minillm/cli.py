@@ -1,6 +1,6 @@
 """The `minillm` command line.
 
-    minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S]
+    minillm generate [--model NAME|PATH] [--max-tokens N] [--temperature T] [--seed S] [--compile]
                      [--device cpu|cuda] [--quant int8|int4|nf4|fp8|gptq-int4|awq-int4|...] PROMPT
     minillm export --gguf PATH [--dtype f32|f16|q8_0|q4_0] [--model NAME|PATH]
     minillm grade PATH... [-j N] [--chapter NN] [--timeout S] [--memory-gb G] [--extra-tests DIR]
@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 from minillm.shipped import DEFAULT_MODEL, shipped_models
@@ -84,8 +85,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         quantize_by_name(model, args.quant, tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
+    if args.compile:  # compile now, so that the stats below are of the compiled steps, not of the compiling
+        start = time.perf_counter()
+        warm_up = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for _ in generate_stream(model, prompt_ids[:1], warm_up, tokenizer, compile_decode=True):
+            pass
+        print(f"[compiled the decode step in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     chunks = []
-    for chunk in generate_stream(model, prompt_ids, params, tokenizer, kv_cache_dtype=args.kv_cache_dtype):
+    for chunk in generate_stream(model, prompt_ids, params, tokenizer, kv_cache_dtype=args.kv_cache_dtype,
+                                 compile_decode=args.compile):
         chunks.append(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -175,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     gen.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
+    gen.add_argument("--compile", action="store_true",
+                     help="CPU: compile the decode step with torch.compile (seconds before the first token, then "
+                          "about 1.4x faster decoding on the shipped model)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

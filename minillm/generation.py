@@ -120,24 +120,25 @@ def generate_stream(
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
     kv_cache_dtype: str = "auto",
+    compile_decode: bool = False,
 ) -> Iterator[StreamChunk]:
     """Generate for one prompt, yielding each token as soon as it is sampled (a verify step of speculative
     decoding may yield several at once).
 
     With `use_cache=False` every step recomputes the whole sequence (the reference loop). `kv_cache_dtype`
-    as in `generate`.
+    and `compile_decode` as in `generate`.
     """
     params = params or SamplingParams()
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype)
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype, compile_decode)
     return _stream(model, ids, params, tokenizer, engine, start)
 
 
 def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-                use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str = "auto"
-                ) -> LLMEngine | None:
+                use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str = "auto",
+                compile_decode: bool = False) -> LLMEngine | None:
     """The engine of chapter 05 sized for this one request, or None for the reference loop without a cache."""
     if not use_cache:
         if speculative is not None:
@@ -145,8 +146,11 @@ def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, toke
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} sets how the KV cache is stored, and use_cache=False "
                              "keeps none: drop one of them.")
+        if compile_decode:
+            raise ValueError("compile_decode compiles the cached decode step, and use_cache=False runs none: drop "
+                             "one of them.")
         return None
-    return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative, kv_cache_dtype)
+    return LLMEngine.for_one_prompt(model, tokenizer, len(ids), params, speculative, kv_cache_dtype, compile_decode)
 
 
 def _stream(
@@ -218,13 +222,16 @@ def generate(
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
     kv_cache_dtype: str = "auto",
+    compile_decode: bool = False,
 ) -> GenerationOutput:
     """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
 
     With `speculative` (`minillm.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
     and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
-    chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values.
+    chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values. `compile_decode`
+    (a CPU only) compiles the decode step with `torch.compile` at the first token (seconds, once per process),
+    then runs every decode step compiled: `minillm.engine.model_runner.ModelRunner`.
 
     Example:
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
@@ -234,7 +241,7 @@ def generate(
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype)
+    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype, compile_decode)
     chunks = list(_stream(model, ids, params, tokenizer, engine, start))
     return GenerationOutput(
         prompt_token_ids=ids,

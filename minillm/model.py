@@ -257,6 +257,8 @@ def grouped_query_attention(
     `minillm.quant.kv.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
     """
     B, H, T, d = q.shape
+    if isinstance(mask, PagedDecode) and not q.is_cuda:  # the pools, read through the tables in PyTorch (CPU)
+        return paged_attention_torch(q, k, v, mask)
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
         from minillm.kernels import paged_decode_attention
 
@@ -287,6 +289,27 @@ def grouped_query_attention(
         mask = mask.repeat(1, 1, G, 1)  # row g*T + t is query t of the g-th head in the group
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.reshape(B, H, T, d)
+
+
+def paged_attention_torch(q: torch.Tensor, k: torch.Tensor | QuantizedPool, v: torch.Tensor | QuantizedPool,
+                          mask: PagedDecode) -> torch.Tensor:
+    """A decode step's attention over a paged cache's pools, in plain PyTorch with fixed shapes (the CPU's path).
+
+    q [B, H, 1, d]; k, v [num_blocks, block_size, H_kv, d] (or 8-bit `QuantizedPool`s) -> [B, H, 1, d].
+    Every row reads the first `max_seq_len` key slots its block table covers and masks those past its
+    length, so the shapes do not change from step to step (what `torch.compile` needs to compile a decode
+    step once, `minillm.engine.cuda_graphs.DecodeGraphs`).
+    """
+    if isinstance(k, QuantizedPool):  # codes x scales, in the model's dtype
+        k = (k[0].float() * k[1][..., None]).to(mask.dtype)
+        v = (v[0].float() * v[1][..., None]).to(mask.dtype)
+    B, H, _, d = q.shape
+    tables = mask.block_tables.long()  # [B, M]
+    S = min(mask.max_seq_len, tables.shape[1] * k.shape[1])
+    keys = k[tables].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, d]
+    values = v[tables].flatten(1, 2)[:, :S].transpose(1, 2)
+    visible = torch.arange(S, device=q.device)[None, :] < mask.seq_lens.long()[:, None]  # [B, S]
+    return grouped_query_attention(q.to(keys.dtype), keys, values, visible[:, None, None, :]).to(q.dtype)
 
 
 class MLP(nn.Module):

@@ -135,20 +135,30 @@ class DecodeGraphs:
             pool). It sets the block tables' width and the decode kernel's key range.
         capture: False runs the same step code eagerly over the same buffers (for tests on a CPU,
             through Triton's interpreter, and to compare eager with replayed).
+        compile: with capture=False, run the step through `torch.compile` instead: the CPU's counterpart of a
+            graph. The step is pure tensor work over fixed buffers (the bookkeeping stays outside it), so it
+            compiles once (once more when a second batch size makes its batch axis dynamic); Inductor fuses
+            the small ops between the matmuls into generated C++ loops. The first step pays the compile.
 
     Capture takes one block from the pool for the padding rows, for as long as the object lives.
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int, max_seq_len: int | None = None,
-                 capture: bool = True) -> None:
+                 capture: bool = True, compile: bool = False) -> None:
         if capture and (reason := graphs_unavailable(model)):
             raise ValueError(f"cannot capture decode steps as CUDA graphs: {reason}. Use capture=False, or the "
                              "eager path.")
+        if capture and compile:
+            raise ValueError("compile=True runs the step through torch.compile instead of capturing it: pass "
+                             "capture=False with it.")
         self.model, self.cache, self.capture = model, cache, capture
+        self.step_fn = self._step  # what an uncaptured run calls
         self.sizes = graph_batch_sizes(max_batch)
         bs = cache.block_size
         pool_tokens = (cache.allocator.num_blocks - 1) * bs  # one block goes to the padding rows
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len, pool_tokens)
+        if compile:  # tables as wide as the model's context whatever the pool, so the compiled step fits every engine
+            self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if self.max_seq_len < 1:
             raise ValueError("the pool is too small: it needs one block for padding rows and one for a sequence.")
         self.max_blocks = cdiv(self.max_seq_len, bs)
@@ -160,6 +170,10 @@ class DecodeGraphs:
         self.pad_block = cache.allocator.allocate()
         self.pad_row = [0, 0, self.pad_block * bs, 1, self.pad_block]  # token 0 at position 0 in the pad block
         self.inputs[:, : TABLE + 1] = torch.tensor(self.pad_row)
+        if compile:  # one compile for every pool and table size: they vary with the engine (generate sizes its pool)
+            for pool in (*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())):
+                torch._dynamo.mark_dynamic(pool, 0)  # the number of blocks
+            self.step_fn = torch.compile(self._step)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -241,6 +255,6 @@ class DecodeGraphs:
             self.graphs[size].replay()
             logits = self.outputs[size][: len(seq_ids)].clone()  # the output buffer is rewritten by the next replay
         else:
-            logits = self._step(size)[: len(seq_ids)]
+            logits = self.step_fn(size)[: len(seq_ids)]
         self.cache.commit([self.cache.block_tables[s] for s in seq_ids], [[int(t)] for t in token_ids])
         return logits

@@ -115,6 +115,8 @@ class LLMEngine:
             forwards score several tokens per row).
         speculative: draft and verify decode tokens (`minillm.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
+        compile_decode: on a CPU, compile the decode step with `torch.compile` at the first decode step (a few
+            seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by default.
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class LLMEngine:
         speculative: SpeculativeConfig | None = None,
         kv_cache_dtype: str = "auto",
         kv_cache_memory_bytes: float | None = None,
+        compile_decode: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         draft = getattr(speculative.drafter, "model", None) if speculative is not None else None
@@ -153,7 +156,7 @@ class LLMEngine:
                                   enable_prefix_caching, kv_cache_dtype)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         no_graphs = "speculative decoding is on (its verify forwards are not captured)" if speculative else None
-        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs)
+        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs, compile_decode)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self._ids = itertools.count()
@@ -172,12 +175,12 @@ class LLMEngine:
     @classmethod
     def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
                        params: SamplingParams, speculative: SpeculativeConfig | None = None,
-                       kv_cache_dtype: str = "auto") -> LLMEngine:
+                       kv_cache_dtype: str = "auto", compile_decode: bool = False) -> LLMEngine:
         """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
         decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
         (the prompt's once, then max_tokens plus a copy-on-write block per sequence), one for the padding
         rows of CUDA graphs, and with `speculative`, the blocks its k draft tokens can spill into.
-        `kv_cache_dtype` as for the engine (chapter 06)."""
+        `kv_cache_dtype` and `compile_decode` as for the engine."""
         best_of = params.best_of or params.n
         blocks = kv_blocks(prompt_len + params.max_tokens, BLOCK_SIZE)
         if best_of > 1:
@@ -187,7 +190,7 @@ class LLMEngine:
             num_blocks += best_of * kv_blocks(speculative.num_speculative_tokens, BLOCK_SIZE)
         return cls(model, tokenizer, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=best_of,
                    max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False,
-                   speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+                   speculative=speculative, kv_cache_dtype=kv_cache_dtype, compile_decode=compile_decode)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
