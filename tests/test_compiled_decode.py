@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from minillm.kernels import paged_decode_attention_reference
 
 import minillm
 from minillm.engine.llm_engine import LLMEngine
-from minillm.kernels import paged_decode_attention_reference
 from minillm.model import PagedDecode, paged_attention_torch
 from minillm.quant.kv import QuantizedPool, quantize_kv
 
