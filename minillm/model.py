@@ -198,6 +198,7 @@ class PagedDecode:
     seq_lens: torch.Tensor  # [B] int: the keys row b attends to, its new token's included
     max_seq_len: int  # max(seq_lens), known on the host (reading it from the GPU would cost a sync)
     dtype: torch.dtype | None = None  # the cache's model dtype (what a quantised cache's codes stand for)
+    in_pytorch: bool = False  # read the pools with `paged_attention_torch` instead of the kernel (a compiled CPU step)
 
 
 @functools.cache
@@ -257,7 +258,7 @@ def grouped_query_attention(
     `minillm.quant.kv.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
     """
     B, H, T, d = q.shape
-    if isinstance(mask, PagedDecode) and not q.is_cuda:  # the pools, read through the tables in PyTorch (CPU)
+    if isinstance(mask, PagedDecode) and mask.in_pytorch:  # the pools, read through the tables in PyTorch
         return paged_attention_torch(q, k, v, mask)
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
         from minillm.kernels import paged_decode_attention

@@ -95,12 +95,12 @@ class GraphDecodeView:
     the host-side bookkeeping (the tokens joining their block tables) happens outside the graph, in `DecodeGraphs.run`.
     """
 
-    def __init__(self, cache: PagedKVCache, inputs: torch.Tensor, max_seq_len: int) -> None:
+    def __init__(self, cache: PagedKVCache, inputs: torch.Tensor, max_seq_len: int, in_pytorch: bool = False) -> None:
         self.cache = cache
         step = StepInputs(inputs, T=1)
         self.tokens, self.position_ids = step.tokens, step.position_ids  # [B, 1] each
         self.slots = step.slot_mapping[:, 0].contiguous()  # [B]
-        self.mask = PagedDecode(step.block_tables, step.seq_lens, max_seq_len, cache.dtype)
+        self.mask = PagedDecode(step.block_tables, step.seq_lens, max_seq_len, cache.dtype, in_pytorch)
 
     def positions(self, n: int) -> torch.Tensor:
         if n != 1:
@@ -151,7 +151,7 @@ class DecodeGraphs:
         if capture and compile:
             raise ValueError("compile=True runs the step through torch.compile instead of capturing it: pass "
                              "capture=False with it.")
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.capture, self.compiled = model, cache, capture, compile
         self.step_fn = self._step  # what an uncaptured run calls
         self.sizes = graph_batch_sizes(max_batch)
         bs = cache.block_size
@@ -189,7 +189,8 @@ class DecodeGraphs:
 
         The view is made here, inside the recording, so that its casts of the buffer are replayed too.
         """
-        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_blocks * self.cache.block_size)
+        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_blocks * self.cache.block_size,
+                               in_pytorch=self.compiled)  # compiled: attention in PyTorch, which Inductor fuses
         return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
 
     @torch.inference_mode()
