@@ -128,12 +128,22 @@ def generate_stream(
     With `use_cache=False` every step recomputes the whole sequence (the reference loop). `kv_cache_dtype`
     and `compile_decode` as in `generate`.
     """
+    params, ids, engine, start = _begin(model, prompt, params, tokenizer, use_cache, speculative, kv_cache_dtype,
+                                        compile_decode)
+    return _stream(model, ids, params, tokenizer, engine, start)
+
+
+def _begin(model: Transformer, prompt: str | list[int], params: SamplingParams | None, tokenizer: Tokenizer | None,
+           use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str, compile_decode: bool
+           ) -> tuple[SamplingParams, list[int], LLMEngine | None, float]:
+    """What `generate` and `generate_stream` do first: (params, the checked prompt ids, the engine or None, the
+    start time every chunk's time counts from)."""
     params = params or SamplingParams()
     check_one_completion(params)
     start = time.perf_counter()
     ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype, compile_decode)
-    return _stream(model, ids, params, tokenizer, engine, start)
+    return params, ids, _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype,
+                                    compile_decode), start
 
 
 def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
@@ -237,11 +247,8 @@ def generate(
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)
         >>> out.text, out.finish_reason, out.ttft_s, out.decode_tokens_per_s
     """
-    params = params or SamplingParams()
-    check_one_completion(params)
-    start = time.perf_counter()
-    ids = prepare_prompt(model, prompt, params, tokenizer)
-    engine = _engine_for(model, ids, params, tokenizer, use_cache, speculative, kv_cache_dtype, compile_decode)
+    params, ids, engine, start = _begin(model, prompt, params, tokenizer, use_cache, speculative, kv_cache_dtype,
+                                        compile_decode)
     chunks = list(_stream(model, ids, params, tokenizer, engine, start))
     return GenerationOutput(
         prompt_token_ids=ids,

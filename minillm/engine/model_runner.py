@@ -81,7 +81,8 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
         if compile_decode and (model.device.type != "cpu" or no_graphs_reason):
             why = no_graphs_reason or f"the model is on {model.device}, where decode steps replay as CUDA graphs"
-            raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path.")
+            raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path: leave it off "
+                             "here (on a GPU the engine replays decode steps as CUDA graphs by itself).")
         self.compile_decode = compile_decode
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # captured (or compiled) at the first decode step
