@@ -11,7 +11,9 @@ The shipped `shakespeare-11m`, greedy, `--tokens` new tokens after a short promp
   `llama_cpp` is importable; skipped with a message when it is not (it compiles llama.cpp, ~20 min).
 
 Also one decode step of the model's forward: its wall time, and how many PyTorch ops it runs (counted by
-the profiler, whose own overhead per op makes its times useless for splitting the step's time).
+the profiler, whose own overhead per op makes its times useless for splitting the step's time); and the
+model's matrix-vector products alone, in fp32 and bf16: the weight bytes PyTorch's batch-1 kernels stream
+per second on one core.
 
     python benchmarks/cpu_decode.py          # writes results/cpu_decode_cpu.json
 """
@@ -100,6 +102,26 @@ def profile_step(model: minillm.Transformer, tokenizer: minillm.Tokenizer, repea
     return {"ops_per_step": len(top), "step_ms": statistics.median(walls) * 1e3}
 
 
+@torch.inference_mode()
+def matvec_gb_s(model: minillm.Transformer, repeats: int = 30) -> dict[str, float]:
+    """The model's own batch-1 matrix-vector products alone (every `nn.Linear` of the layers and the tied
+    output head, `F.linear` on one row, as an eager decode step calls them): their median ms per step and
+    the weight bytes they stream per second. The floor of a step built on PyTorch's kernels."""
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.embed_tokens.weight]
+    weights = list({w.data_ptr(): w for w in linears}.values())  # a tied head shares the embedding: once
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    walls = []
+    for i in range(repeats + 3):
+        start = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(rows[w.shape[1]], w)
+        if i >= 3:  # after a warm-up
+            walls.append(time.perf_counter() - start)
+    wall = statistics.median(walls)
+    return {"matmuls": len(weights), "ms": wall * 1e3, "gb_s": nbytes / wall / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=256)
@@ -157,6 +179,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     profiles = {name: profile_step(model, tok) for name, (model, tok) in models.items() if "+" not in name}
+    matvecs = {name: matvec_gb_s(model) for name, (model, _) in models.items() if name in ("fp32", "bf16")}
     rows = [{"system": system, "threads": threads, "decode_tok_s": statistics.median(rates), "runs": rates}
             for (system, threads), rates in runs.items()]
     median = {(r["system"], r["threads"]): r["decode_tok_s"] for r in rows}
@@ -173,7 +196,7 @@ def main() -> None:
         "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "prompt": PROMPT},
         "compile_s": compile_s, "llama_cpp": llama_note, "llama_cpp_crashed": sorted(crashed), "rows": rows,
-        "ratios": ratios, "step_profile_1_thread": profiles,
+        "ratios": ratios, "step_profile_1_thread": profiles, "matvec_1_thread": matvecs,
     })
     print(f"\n{'system':<22} " + " ".join(f"{t} thread(s)".rjust(12) for t in args.threads))
     for system in dict.fromkeys(s for s, _ in median):
@@ -182,6 +205,9 @@ def main() -> None:
         print(f"{key}: {value:.2f}x")
     for name, p in profiles.items():
         print(f"minillm {name}: {p['ops_per_step']} PyTorch ops per step, {p['step_ms']:.2f} ms a step (1 thread)")
+    for name, m in matvecs.items():
+        print(f"{name}: the {m['matmuls']} matrix-vector products alone {m['ms']:.2f} ms, "
+              f"{m['gb_s']:.1f} GB/s (1 thread)")
 
 
 if __name__ == "__main__":

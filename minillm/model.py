@@ -310,7 +310,14 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor | QuantizedPool, v: t
     keys = k[tables].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, d]
     values = v[tables].flatten(1, 2)[:, :S].transpose(1, 2)
     visible = torch.arange(S, device=q.device)[None, :] < mask.seq_lens.long()[:, None]  # [B, S]
-    return grouped_query_attention(q.to(keys.dtype), keys, values, visible[:, None, None, :]).to(q.dtype)
+    # One query per row: the G query heads of each K/V head share one product with its keys (no SDPA call,
+    # whose set-up costs more than this whole product; Inductor fuses the mask and softmax around it).
+    H_kv, dtype = keys.shape[1], q.dtype
+    grouped = q.to(keys.dtype).reshape(B, H_kv, H // H_kv, d)  # [B, H_kv, G, d]
+    scores = (grouped @ keys.transpose(2, 3)).float() * d**-0.5  # [B, H_kv, G, S]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1).to(values.dtype) @ values  # [B, H_kv, G, d]
+    return out.reshape(B, H, 1, d).to(dtype)
 
 
 class MLP(nn.Module):

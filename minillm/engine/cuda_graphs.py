@@ -138,7 +138,9 @@ class DecodeGraphs:
         compile: with capture=False, run the step through `torch.compile` instead: the CPU's counterpart of a
             graph. The step is pure tensor work over fixed buffers (the bookkeeping stays outside it), so it
             compiles once (once more when a second batch size makes its batch axis dynamic); Inductor fuses
-            the small ops between the matmuls into generated C++ loops. The first step pays the compile.
+            the small ops between the matmuls into generated C++ loops. The block tables' width is a dynamic
+            dimension, so attention reads only the keys the step's longest sequence holds. The first step
+            pays the compile.
 
     Capture takes one block from the pool for the padding rows, for as long as the object lives.
     """
@@ -184,12 +186,18 @@ class DecodeGraphs:
                 cache.allocator.free(self.pad_block)  # a failed capture leaves the pool as it found it
                 raise
 
-    def _step(self, size: int) -> torch.Tensor:
+    def _step(self, size: int, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """The recorded work: the model over the first `size` rows of the buffer -> logits [size, vocab].
 
         The view is made here, inside the recording, so that its casts of the buffer are replayed too.
+        A compiled step is handed `inputs`, the buffer's rows cut to this step's widest block table: its
+        width is a dynamic dimension of the one compiled graph, so attention reads only the key slots the
+        step's longest sequence covers (a captured graph reads `max_seq_len` of them, every step).
         """
-        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_blocks * self.cache.block_size,
+        if inputs is None:
+            inputs = self.inputs[:size]
+        key_range = (inputs.shape[1] - TABLE) * self.cache.block_size
+        view = GraphDecodeView(self.cache, inputs, key_range,
                                in_pytorch=self.compiled)  # compiled: attention in PyTorch, which Inductor fuses
         return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
 
@@ -255,6 +263,12 @@ class DecodeGraphs:
         if self.capture:
             self.graphs[size].replay()
             logits = self.outputs[size][: len(seq_ids)].clone()  # the output buffer is rewritten by the next replay
+        elif self.compiled:
+            # One compile for every table width. Tables of one block would be compiled apart (torch.compile
+            # specialises sizes 0 and 1), so they read two: the second column's stale block id is masked.
+            inputs = self.inputs[:size, : max(width, TABLE + 2)]
+            torch._dynamo.mark_dynamic(inputs, 1)
+            logits = self.step_fn(size, inputs)[: len(seq_ids)]
         else:
             logits = self.step_fn(size)[: len(seq_ids)]
         self.cache.commit([self.cache.block_tables[s] for s in seq_ids], [[int(t)] for t in token_ids])
