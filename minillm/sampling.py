@@ -413,6 +413,8 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0) -> 
     """
     logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
     chosen = logprobs.gather(-1, tokens.reshape(-1, 1)).squeeze(-1)  # [B]
-    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # values, indices [B, k]
-    top_logprobs = [(ids.tolist(), values.tolist()) for ids, values in zip(top.indices, top.values)]
+    top_logprobs = [([], [])] * logprobs.shape[0]
+    if k > 0:
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # values, indices [B, k]
+        top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))  # one copy to the host for all rows
     return SampleOutput(tokens, chosen, top_logprobs)

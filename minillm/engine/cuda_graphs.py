@@ -38,7 +38,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from minillm.arithmetic import cdiv
-from minillm.engine.kv_cache import PagedKVCache, StepInputs, step_rows, store_kv
+from minillm.engine.kv_cache import PagedKVCache, StepInputs, rows_to_tensor, step_rows, store_kv
 from minillm.model import PagedDecode, Transformer, use_triton_attention
 from minillm.quant.kv import kernel_pool
 
@@ -243,7 +243,7 @@ class DecodeGraphs:
         rows += [self.pad_row] * (size - len(rows))
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
-        self.staging[:size, :width] = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        self.staging[:size, :width] = rows_to_tensor(rows, width)
         return size, width
 
     @torch.inference_mode()

@@ -132,9 +132,12 @@ class ModelRunner:
         tokens = sample(self._constrain(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs],
                         prompt_ids=[s.prompt_token_ids for s in seqs], output_ids=[s.output_token_ids for s in seqs])
         lp = compute_logprobs(logits, tokens, max((s.params.logprobs or 0) for s in seqs))
-        return [SampledTokens(s, [t], [float(lp.logprobs[j])], [dict(zip(*lp.top_logprobs[j])) if s.params.logprobs
-                                                                  else {}])
-                for j, (s, t) in enumerate(zip(seqs, tokens.tolist()))]
+        # The host reads the whole batch at once: one copy of the tokens, one of their log-probabilities (a
+        # float(...) per row would make the host wait on the GPU once per row).
+        chosen = lp.logprobs.tolist()
+        return [SampledTokens(s, [t], [chosen[j]], [dict(zip(ids[: s.params.logprobs], values[: s.params.logprobs]))
+                                                    if s.params.logprobs else {}])
+                for j, (s, t, (ids, values)) in enumerate(zip(seqs, lp.tokens.tolist(), lp.top_logprobs))]
 
     @staticmethod
     def _constrain(seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from minillm.arithmetic import cdiv
+from minillm.engine.block_manager import NoFreeBlocksError
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.sequence import Sequence, SequenceStatus
 
@@ -218,9 +219,10 @@ class Scheduler:
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
         """Allocate the blocks for n more tokens of a running sequence; False if the pool is short."""
-        if self.cache.blocks_needed([seq.seq_id], [n]) > self.cache.allocator.num_free_blocks:
+        try:
+            self.cache.allocate_slots([seq.seq_id], [n])  # all or nothing
+        except NoFreeBlocksError:
             return False
-        self.cache.allocate_slots([seq.seq_id], [n])
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> str | None:
