@@ -293,7 +293,7 @@ class LLMEngine:
         """Run the forward and sample one token for every row whose prompt is done. A row whose prompt just
         completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
         seqs = [s for s, _ in scheduled]
-        chunks = [s.all_token_ids[s.num_computed_tokens: s.num_computed_tokens + n] for s, n in scheduled]
+        chunks = [s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
         logits = self.model_runner.forward([s.seq_id for s in seqs], chunks)  # [B, V]: each row's last new token
         for seq, n in scheduled:
             seq.num_computed_tokens += n
