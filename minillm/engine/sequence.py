@@ -121,6 +121,7 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
     token_times: list[float] = field(default_factory=list, repr=False)
     text: str = ""
+    cumulative_logprob: float = 0.0  # the sum of `logprobs` (best_of keeps the n highest), kept as they come
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -156,10 +157,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def cumulative_logprob(self) -> float:
-        """The sum of its tokens' log-probabilities (best_of keeps the n highest)."""
-        return sum(self.logprobs)
 
     def fork(self, seq_id: Hashable, index: int, generator: torch.Generator | None) -> Sequence:
         """Sequence `index` of the same request, a copy of this one so far (its blocks: `PagedKVCache.fork`)."""
@@ -176,6 +173,7 @@ class Sequence:
         the pattern of its constraint complete, or max_tokens reached."""
         self.output_token_ids.append(token_id)
         self.logprobs.append(logprob)
+        self.cumulative_logprob += logprob
         self.top_logprobs.append(top)
         self.token_times.append(now - self.arrival_time)
         stopped = False
