@@ -182,6 +182,33 @@ def test_graph_replay_matches_the_eager_step_and_generate_uses_it(monkeypatch):
     assert len(replays) == 29
 
 
+@cuda_only
+def test_capture_survives_garbage_collection_of_another_engines_graphs():
+    """Dead graphs in a reference cycle (an old engine's, say) are freed by the garbage collector whenever it runs;
+    if it ran during another capture, the freeing would make that capture fail (and the engine run eagerly).
+    Capture collects first and keeps the collector off, so it must succeed even with the collector eager to run."""
+    import gc
+
+    model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.float32)
+
+    class Holder:  # a cycle that owns captured graphs, as a dead engine may
+        pass
+
+    old = Holder()
+    old.self, old.graphs = old, DecodeGraphs(model, PagedKVCache(model.config, 32, 16, device="cuda",
+                                                                 dtype=model.dtype), max_batch=4)
+    del old
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation
+    try:
+        graphs = DecodeGraphs(model, PagedKVCache(model.config, 32, 16, device="cuda", dtype=model.dtype),
+                              max_batch=4)
+    finally:
+        gc.set_threshold(*threshold)
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert gc.isenabled()
+
+
 @interpreter_only
 def test_the_fused_forward_equals_the_pytorch_forward(model, monkeypatch):
     """The CUDA path's fused kernels (add + RMSNorm, rotary, silu * up), forced onto CPU tensors through the

@@ -31,9 +31,10 @@ on CUDA; everything else runs eager.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -145,6 +146,11 @@ class DecodeGraphs:
     Capture takes one block from the pool for the padding rows, for as long as the object lives.
     """
 
+    # `_step` through torch.compile, made once per process. It lives on the class: a compiled bound method kept on
+    # the object would be a reference cycle, freed only by the garbage collector, at whatever moment it runs; if
+    # that is during another object's capture, destroying this one's graphs there makes that capture fail.
+    compiled_step: Callable | None = None
+
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int, max_seq_len: int | None = None,
                  capture: bool = True, compile: bool = False) -> None:
         if capture and (reason := graphs_unavailable(model)):
@@ -154,7 +160,6 @@ class DecodeGraphs:
             raise ValueError("compile=True runs the step through torch.compile instead of capturing it: pass "
                              "capture=False with it.")
         self.model, self.cache, self.capture, self.compiled = model, cache, capture, compile
-        self.step_fn = self._step  # what an uncaptured run calls
         self.sizes = graph_batch_sizes(max_batch)
         bs = cache.block_size
         pool_tokens = (cache.allocator.num_blocks - 1) * bs  # one block goes to the padding rows
@@ -175,7 +180,8 @@ class DecodeGraphs:
         if compile:  # one compile for every pool and table size: they vary with the engine (generate sizes its pool)
             for pool in (*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())):
                 torch._dynamo.mark_dynamic(pool, 0)  # the number of blocks
-            self.step_fn = torch.compile(self._step)
+            if DecodeGraphs.compiled_step is None:
+                DecodeGraphs.compiled_step = torch.compile(DecodeGraphs._step)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -213,12 +219,21 @@ class DecodeGraphs:
             for size in self.sizes:
                 self._step(size)  # compiles the Triton kernels, creates cuBLAS handles: nothing new during capture
         torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._step(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        # No garbage collection during capture: collecting a dead object that holds graphs or CUDA memory (another
+        # engine's, say) frees them mid-capture, which CUDA forbids, and the capture fails. Collect now instead.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._step(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes), self.sizes,
@@ -268,8 +283,8 @@ class DecodeGraphs:
             # specialises sizes 0 and 1), so they read two: the second column's stale block id is masked.
             inputs = self.inputs[:size, : max(width, TABLE + 2)]
             torch._dynamo.mark_dynamic(inputs, 1)
-            logits = self.step_fn(size, inputs)[: len(seq_ids)]
+            logits = DecodeGraphs.compiled_step(self, size, inputs)[: len(seq_ids)]
         else:
-            logits = self.step_fn(size)[: len(seq_ids)]
+            logits = self._step(size)[: len(seq_ids)]
         self.cache.commit([self.cache.block_tables[s] for s in seq_ids], [[int(t)] for t in token_ids])
         return logits
