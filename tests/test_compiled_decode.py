@@ -63,7 +63,22 @@ def test_paged_attention_in_pytorch_reads_8_bit_pools():
     torch.testing.assert_close(got[:, :, 0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_matvec_as_reduction_is_the_product_for_16_bit_weights_only():
+    from minillm.engine.compiled_step import matvec_as_reduction
+
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(1, 64, generator=g), torch.randn(48, 64, generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = matvec_as_reduction(a.to(dtype), w.to(dtype).t())  # aten.mm's operands: x [1, K], weight.T [K, N]
+        want = a.to(dtype).float() @ w.to(dtype).float().t()  # the same rounded operands, summed in fp32
+        assert got.shape == (1, 48) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    assert matvec_as_reduction(a, w.t()) is NotImplemented  # fp32 weights: PyTorch's kernel
+    assert matvec_as_reduction(torch.randn(2, 64).bfloat16(), w.bfloat16().t()) is NotImplemented  # two rows
+
+
 COMPILED_EQUALS_EAGER = """
+import torch
 from torch._dynamo.utils import counters
 from minillm.engine import LLMEngine
 import minillm
@@ -82,6 +97,9 @@ for compile_decode in (False, True):  # three rows of different lengths in one b
         engine.add_request(name, tok.encode(prompt), params)
     outputs.append({key: out.token_ids for key, out in engine.run().items()})
 print("batch", outputs[0] == outputs[1])
+model = model.to(torch.bfloat16)  # 16-bit weights: the matrix-vector products lowered as reductions
+eager = minillm.generate(model, "ROMEO.\\n", params, tok)
+print("bf16", minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode=True).token_ids == eager.token_ids)
 """
 
 
@@ -95,7 +113,8 @@ def test_compiled_decode_gives_the_eager_engines_tokens():
     proc = subprocess.run([sys.executable, "-c", COMPILED_EQUALS_EAGER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["ROMEO", "True", "40", "JULIET", "True", "40", "compiles", "1", "batch", "True"], \
+    assert proc.stdout.split() == ["ROMEO", "True", "40", "JULIET", "True", "40", "compiles", "1", "batch", "True",
+                                  "bf16", "True"], \
         proc.stdout
 
 

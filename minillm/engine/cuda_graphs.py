@@ -146,9 +146,10 @@ class DecodeGraphs:
     Capture takes one block from the pool for the padding rows, for as long as the object lives.
     """
 
-    # `_step` through torch.compile, made once per process. It lives on the class: a compiled bound method kept on
-    # the object would be a reference cycle, freed only by the garbage collector, at whatever moment it runs; if
-    # that is during another object's capture, destroying this one's graphs there makes that capture fail.
+    # `_step` through torch.compile (`minillm.engine.compiled_step`), made once per process. It lives on the
+    # class: a compiled bound method kept on the object would be a reference cycle, freed only by the garbage
+    # collector, at whatever moment it runs; if that is during another object's capture, destroying this one's
+    # graphs there makes that capture fail.
     compiled_step: Callable | None = None
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int, max_seq_len: int | None = None,
@@ -181,7 +182,9 @@ class DecodeGraphs:
             for pool in (*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())):
                 torch._dynamo.mark_dynamic(pool, 0)  # the number of blocks
             if DecodeGraphs.compiled_step is None:
-                DecodeGraphs.compiled_step = torch.compile(DecodeGraphs._step)
+                from minillm.engine.compiled_step import compile_step
+
+                DecodeGraphs.compiled_step = compile_step(DecodeGraphs._step)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
