@@ -1,8 +1,8 @@
 """Where an engine step's time goes, stage by stage (chapter 05's GPU section; issue: the host gap).
 
 The workload of `engine_throughput.py` (Llama-3.2-1B's shape, random bf16 weights, requests with prompt
-and output lengths uniform in `--min-len`..`--max-len`, greedy, every request generating exactly its
-output length) runs through `LLM`'s engine twice:
+and output lengths uniform in `--min-len`..`--max-len`, greedy or sampled at `--temperature`, every request
+generating exactly its output length) runs through `LLM`'s engine twice:
 
 - **plain**, as users run it: output tokens/s of the whole run;
 - **staged**: each stage of `LLMEngine.step` timed on the host clock, with the GPU synchronised at the
@@ -57,7 +57,8 @@ def timed(totals: dict[str, float], name: str, fn: Callable, sync_after: bool) -
     return wrapper
 
 
-def staged_run(model, requests, max_num_seqs: int, budget: int, profile: bool) -> dict:  # noqa: ANN001
+def staged_run(model, requests, max_num_seqs: int, budget: int, profile: bool,  # noqa: ANN001
+               temperature: float = 0.0) -> dict:
     """The engine over `requests` with every stage timed (and under cProfile if `profile`)."""
     totals: dict[str, float] = defaultdict(float)
     originals = {name: getattr(cls, method) for name, (cls, method) in STAGES.items()}
@@ -72,7 +73,7 @@ def staged_run(model, requests, max_num_seqs: int, budget: int, profile: bool) -
                   max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
         engine = llm.engine
         for p, n in requests:
-            engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            engine.add_request(None, p, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
         steps = 0
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -110,6 +111,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, unseeded")
     parser.add_argument("--name", default="engine_stages_cuda")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -122,10 +124,10 @@ def main() -> None:
     del hf
     requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
     run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
-    plain = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
+    plain = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens, args.temperature)
     plain.pop("steps")
-    staged = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, profile=False)
-    profiled = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, profile=True)
+    staged = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, False, args.temperature)
+    profiled = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, True, args.temperature)
     path = write_results(args.name, {
         "benchmark": "engine step by stage: LLM over engine_throughput.py's requests, Llama-3.2-1B shape, bf16",
         "settings": vars(args),

@@ -51,12 +51,12 @@ def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[t
     return [([rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
 
 
-def run_minillm(model, requests, max_num_seqs: int, budget: int) -> dict:  # noqa: ANN001
+def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: float = 0.0) -> dict:  # noqa: ANN001
     longest = max(len(p) + n for p, n in requests)
     llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
               max_num_batched_tokens=budget)
     engine = llm.engine
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for _, n in requests]
     ids = [engine.add_request(None, p, sp) for (p, _), sp in zip(requests, params)]
     steps, outputs = [], {}
     sync()

@@ -358,8 +358,8 @@ def sample(
         logits: [B, V], the model's raw logits.
         params: one SamplingParams for all rows, or one per row.
         generator: one torch.Generator drawing for the whole batch, or one per row (None entries use
-            torch's global one). With one per row, a row's tokens depend only on its own generator,
-            not on which other rows share the batch.
+            torch's global one, in one draw for all of them). With one per row, a row's tokens depend only
+            on its own generator, not on which other rows share the batch.
         prompt_ids, output_ids: B lists of ids, the prompt and the tokens generated so far; needed
             when a penalty is on (see `process_logits`).
     """
@@ -376,8 +376,12 @@ def sample(
         if len(generators) != len(rows):
             raise ValueError(f"got {len(generators)} generators for {len(rows)} rows: pass one, or one per row.")
         drawn = tokens.clone()
+        shared = [i for i, (g, r) in enumerate(zip(generators, rows)) if g is None and not r.greedy]
+        if shared:  # rows without a generator of their own: one draw for all of them, from torch's global one
+            which = torch.tensor(shared, device=logits.device)
+            drawn[which] = torch.multinomial(probs[which], 1).squeeze(-1)
         for i, (g, r) in enumerate(zip(generators, rows)):
-            if not r.greedy:  # the same call as drawing for this row alone
+            if g is not None and not r.greedy:  # a seeded row: the same call as drawing for this row alone
                 drawn[i] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
     greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
     return torch.where(greedy, tokens, drawn)

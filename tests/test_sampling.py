@@ -435,6 +435,30 @@ def test_sampling_frequencies_follow_the_processed_distribution():
     assert (freq - expected).abs().max() < 0.03, f"frequencies {freq.tolist()} vs expected {expected.tolist()}"
 
 
+def test_rows_without_a_generator_draw_together(monkeypatch):
+    """Per-row generators where most rows have none (a server's unseeded requests): those rows are drawn in one
+    call, each from its own processed distribution (Hoeffding as above, 0.03 over 20,000 draws per row); a
+    seeded row keeps a call of its own, so its tokens still depend on its generator alone."""
+    calls = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(a[0].shape[0]) or multinomial(*a, **k))
+    probs = torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05], [0.05, 0.1, 0.2, 0.25, 0.4]])
+    n = 20_000
+    logits = probs.log().repeat(n, 1)  # rows alternate between the two distributions
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)] * n
+    generators = [None] * (2 * n)
+    generators[0] = torch.Generator().manual_seed(7)  # one seeded row
+    torch.manual_seed(0)
+    tokens = sample(logits, params, generators)
+    assert calls == [2 * n - 1, 1], f"expected one draw for the unseeded rows and one for the seeded: {calls}"
+    for row, expected in enumerate(probs.double()):
+        freq = torch.bincount(tokens[row::2], minlength=5).double() / n
+        assert (freq - expected).abs().max() < 0.03, f"row kind {row}: {freq.tolist()} vs {expected.tolist()}"
+    calls.clear()
+    alone = sample(logits[:1], params[:1], [torch.Generator().manual_seed(7)])
+    assert alone[0] == tokens[0], "the seeded row draws as it would alone"
+
+
 def test_mismatched_per_row_arguments_raise():
     logits = random_logits((3, 10), seed=14)
     with pytest.raises(ValueError, match="got 2 SamplingParams for 3 rows"):
