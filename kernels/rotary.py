@@ -106,14 +106,29 @@ def _rotate_heads(
 
 
 @triton.jit
+def _copy_heads(X, OUT, stride_xh, stride_oh, n_heads, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy the n_heads rows of one token (X and OUT point at the token's first head), BLOCK_H at a time."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + heads
+        inside = (h < n_heads) & (cols < D)
+        tl.store(OUT + h * stride_oh + cols, tl.load(X + h * stride_xh + cols, mask=inside), mask=inside)
+
+
+@triton.jit
 def _fused_rotary_kernel(
-    Q, K, POS, INV_FREQ, Q_OUT, K_OUT,
+    Q, K, POS, INV_FREQ, Q_OUT, K_OUT, V, V_OUT, SLOTS,
     stride_qn, stride_qh, stride_kn, stride_kh,
     stride_qon, stride_qoh, stride_kon, stride_koh,
+    stride_vn, stride_vh, stride_von, stride_voh,
     n_q_heads, n_k_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr, TO_CACHE: tl.constexpr,
 ):
-    """One program = one token: its angles once, then every query head and every key head."""
+    """One program = one token: its angles once, then every query head and every key head.
+
+    With TO_CACHE, K_OUT and V_OUT are a layer's key and value pools seen as [slots, H_kv, D]: the token's
+    rotated keys and its values go straight to row SLOTS[token] of each (the paged cache's write, chapter 04)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     inv_freq = tl.load(INV_FREQ + cols, mask=cols < half, other=0.0)
@@ -126,8 +141,14 @@ def _fused_rotary_kernel(
     c, s = c.to(dtype).to(tl.float32), s.to(dtype).to(tl.float32)  # rounded, as `cos.to(dtype)` rounds
     _rotate_heads(Q + token * stride_qn, Q_OUT + token * stride_qon, stride_qh, stride_qoh, n_q_heads, half, c, s,
                   BLOCK_H, BLOCK_HALF)
-    _rotate_heads(K + token * stride_kn, K_OUT + token * stride_kon, stride_kh, stride_koh, n_k_heads, half, c, s,
+    row = token
+    if TO_CACHE:
+        row = tl.load(SLOTS + token).to(tl.int64)
+    _rotate_heads(K + token * stride_kn, K_OUT + row * stride_kon, stride_kh, stride_koh, n_k_heads, half, c, s,
                   BLOCK_H, BLOCK_HALF)
+    if TO_CACHE:
+        _copy_heads(V + token * stride_vn, V_OUT + row * stride_von, stride_vh, stride_voh, n_k_heads, 2 * half,
+                    BLOCK_H, 2 * BLOCK_HALF)
 
 
 def _interpreted() -> bool:
@@ -140,8 +161,9 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate queries and keys by their positions' angles in one Triton kernel (issue 16).
 
     q [N, H, D] and k [N, H_kv, D] of one dtype (float16, bfloat16 or float32), positions [N] int32 or
@@ -149,6 +171,11 @@ def fused_rotary(
     new contiguous tensors in q's dtype. q and k may be strided views (of one qkv matrix, say): any
     strides for tokens and heads, the last dim contiguous (else it is copied first). Equals
     `fused_rotary_reference`, rounding for rounding (see the module docstring).
+
+    With `cache` = (v [N, H_kv, D], k_pool, v_pool, slots [N]), the same launch also writes the paged cache
+    (chapter 04): token n's rotated keys and its values go to slot slots[n] of the layer's pools
+    [num_blocks, block_size, H_kv, D] (contiguous, q's dtype), as `store_kv` would write them, and k_out is
+    None. A decode step then needs one launch per layer for rotary and the cache write, not three.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, positions, inv_freq)):
         raise ValueError("q, k, positions and inv_freq must be torch tensors.")
@@ -185,9 +212,23 @@ def fused_rotary(
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
     q_out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((N, H_kv, D), dtype=k.dtype, device=k.device)
+    if cache is None:
+        k_out = v = v_out = slots = torch.empty((N, H_kv, D), dtype=k.dtype, device=k.device)
+    else:
+        v, k_pool, v_pool, slots = cache
+        for pool in (k_pool, v_pool):
+            if pool.dim() != 4 or tuple(pool.shape[2:]) != (H_kv, D) or not pool.is_contiguous() \
+                    or pool.dtype != q.dtype or pool.device != q.device:
+                raise ValueError(f"the cache's pools must be contiguous [num_blocks, block_size, H_kv, D] = "
+                                 f"[., ., {H_kv}, {D}] in {q.dtype} on {q.device}, got {tuple(pool.shape)} "
+                                 f"{pool.dtype} on {pool.device}.")
+        if tuple(v.shape) != (N, H_kv, D) or v.dtype != q.dtype or slots.shape != (N,):
+            raise ValueError(f"v must be [N, H_kv, D] = [{N}, {H_kv}, {D}] in {q.dtype} and slots [N], got "
+                             f"{tuple(v.shape)} {v.dtype} and {tuple(slots.shape)}.")
+        v, slots = _last_dim_contiguous(v), slots.contiguous()
+        k_out, v_out = k_pool.view(-1, H_kv, D), v_pool.view(-1, H_kv, D)  # slot s is row s
     if N == 0:
-        return q_out, k_out
+        return q_out, None if cache is not None else k_out
     half = D // 2
     BLOCK_HALF = triton.next_power_of_2(half)
     # a tile of at most 2048 elements per half (32 heads of D = 128): few loop trips, no register spills
@@ -195,10 +236,11 @@ def fused_rotary(
     interpreted = _interpreted()
     options = {} if interpreted else {"num_warps": 4, "enable_fp_fusion": False}  # no fma: round like PyTorch
     _fused_rotary_kernel[(N,)](
-        q, k, positions, inv_freq, q_out, k_out,
+        q, k, positions, inv_freq, q_out, k_out, v, v_out, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        v.stride(0), v.stride(1), v_out.stride(0), v_out.stride(1),
         H, H_kv, half,
-        BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, LIBDEVICE=not interpreted, **options,
+        BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, LIBDEVICE=not interpreted, TO_CACHE=cache is not None, **options,
     )
-    return q_out, k_out
+    return q_out, None if cache is not None else k_out

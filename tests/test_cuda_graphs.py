@@ -81,12 +81,28 @@ def prefill(model, cache, prompts):
 
 
 @interpreter_only
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, fused", [("auto", False), ("int8", False), ("auto", True)])
+def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype, fused, monkeypatch):
     """Three sequences of different lengths, decoded by the recorded step's code (eagerly, on a buffer
     padded to 4 rows) and by paged_forward on a twin cache: the same logits at every step, then a smaller
     batch (2 rows) reusing the buffer with stale columns from the larger one. With an int8 cache (chapter 06)
-    the step's paged kernel reads codes and scales, the twin dequantises and runs PyTorch attention."""
+    the step's paged kernel reads codes and scales, the twin dequantises and runs PyTorch attention. With the
+    GPU's fused kernels (forced here, through the interpreter), the step's rotary kernel also writes the keys
+    and values to the cache, where the twin's eager step writes them apart."""
+    import minillm.model as M
+    from minillm.engine.cuda_graphs import GraphDecodeView
+
+    monkeypatch.setattr(M, "use_fused_kernels", lambda x: fused)
+    fused_writes = []  # layers whose keys and values the rotary kernel wrote
+    target = GraphDecodeView.fused_write_target
+
+    def spy(self: GraphDecodeView, layer: int) -> object:
+        found = target(self, layer)
+        if found is not None:
+            fused_writes.append(layer)
+        return found
+
+    monkeypatch.setattr(GraphDecodeView, "fused_write_target", spy)
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(n)] for n in (5, 37, 20)]  # 1, 3 and 2 blocks of 16
     caches = [PagedKVCache(model.config, 24, 16, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
@@ -109,6 +125,7 @@ def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype):
             for a, b in zip(caches[0].gather(i, layer), caches[1].gather(i, layer)):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert graphs.staging[3, 4] == graphs.pad_block, "the padding row points at the padding block"
+    assert len(fused_writes) == (3 * model.config.n_layers if fused else 0)
 
 
 @interpreter_only

@@ -130,6 +130,31 @@ def test_fused_rotary_large_positions_and_int32(dtype):
     assert torch.equal(q32, q_out) and torch.equal(k32, k_out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_rotary_writes_the_paged_cache(dtype):
+    """With `cache`, the launch writes each token's rotated keys and its values to its slot of the layer's pools,
+    as the unfused path (rotary, then `store_kv`) writes them, and leaves every other slot as it was."""
+    from minillm.engine.kv_cache import store_kv
+
+    N, H, H_kv, D, blocks, block_size = 3, 4, 2, 16, 4, 4
+    q, k = qkv_views(N, H, H_kv, D, dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    v = torch.randn(N, H_kv, D, generator=g).to(DEVICE, dtype)
+    positions, inv_freq = torch.tensor([5, 0, 13], device=DEVICE), inverse_frequencies(D)
+    slots = torch.tensor([9, 2, 14], device=DEVICE)  # scattered over the pool's 16 slots
+    pools = [torch.randn(blocks, block_size, H_kv, D, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    expected = [p.clone() for p in pools]
+    q_ref, k_rotated = fused_rotary(q, k, positions, inv_freq)  # the unfused path: rotary, then the writes
+    store_kv(expected[0], None, slots, k_rotated)
+    store_kv(expected[1], None, slots, v)
+    q_out, k_out = fused_rotary(q, k, positions, inv_freq, cache=(v, *pools, slots))
+    assert k_out is None
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
+    with pytest.raises(ValueError, match="pools must be contiguous"):
+        fused_rotary(q, k, positions, inv_freq, cache=(v, pools[0].to(torch.float16), pools[1], slots))
+
+
 def test_fused_rotary_other_strides_and_empty():
     """Heads with a stride other than D, tokens after heads in memory, a non-contiguous last dim; N = 0."""
     N, H, H_kv, D = 3, 4, 2, 16

@@ -115,10 +115,23 @@ class GraphDecodeView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, 1, head_dim] to their slots; return `layer`'s pools for the paged kernel
         (with their scales, as `QuantizedPool`s, for a quantised cache: chapter 06)."""
-        pools = self.cache.layer_pools(layer)
-        for (pool, scale_pool), new in zip(pools, (k, v)):
+        for (pool, scale_pool), new in zip(self.cache.layer_pools(layer), (k, v)):
             store_kv(pool, scale_pool, self.slots, new[:, :, 0])
-        return kernel_pool(*pools[0]), kernel_pool(*pools[1])
+        return self.pools(layer)
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s key and value pools as the paged kernel reads them (`QuantizedPool`s for an 8-bit cache)."""
+        (k, k_scale), (v, v_scale) = self.cache.layer_pools(layer)
+        return kernel_pool(k, k_scale), kernel_pool(v, v_scale)
+
+    def fused_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_pool, v_pool, slots [B]) for the fused rotary kernel to write this step's keys and values itself
+        (`minillm.kernels.fused_rotary`'s `cache`); None where it cannot: an 8-bit cache (codes and scales) or
+        the compiled CPU step (no Triton)."""
+        (k, k_scale), (v, v_scale) = self.cache.layer_pools(layer)
+        if k_scale is not None or self.mask.in_pytorch:
+            return None
+        return k, v, self.slots
 
     def advance(self, n: int) -> None:
         pass
