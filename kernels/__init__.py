@@ -25,6 +25,7 @@ and chapter 04 the paged decode kernel, the same kernel reading K and V through 
 and the GPU fast path (issue 16) adds two small fused kernels for the decode step:
 
     fused_rotary(q, k, positions, inv_freq)       rotary on q and k in one launch, cos/sin computed in place
+                                                  (cache=...: also writes k and v to the paged cache)
     fused_rotary_reference(...)                   RotaryEmbedding's tables and apply_rotary, in PyTorch
     silu_and_mul(gate_up)                         SwiGLU's silu(gate) * up in one pass over memory
     silu_and_mul_reference(gate_up)               F.silu(gate) * up, as MLP computes it

@@ -44,6 +44,12 @@ heads with them, a tile of heads at a time. For decode (N = the batch size) that
 programs each moving a few KB, one launch for both tensors, and no table rebuilt per head; for a
 prefill of thousands of tokens it is thousands of programs, enough to fill the GPU.
 
+The cache write. In a decode step the rotated keys have one destination, the paged cache (chapter 04),
+and the values go there too. Given the layer's pools and each token's slot (`cache=`), the same program
+stores the token's rotated key heads and copies its value heads straight to row `slot` of the pools seen
+as [slots, H_kv, D], instead of writing k out for two more kernels (`store_kv`, once for keys, once for
+values) to copy: a captured decode step of the 1B shape went from 216 to 184 kernels.
+
 tests/test_fused_kernels.py checks the kernel against `fused_rotary_reference` through Triton's
 CPU interpreter (and on a GPU where there is one).
 """
