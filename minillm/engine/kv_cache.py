@@ -279,11 +279,20 @@ class PagedKVCache:
             needed += max(0, cdiv(table.num_tokens + n, bs) - len(table.block_ids))
         return needed
 
+    def _has_room(self, seq_id: Hashable, n: int) -> bool:
+        """Whether n more tokens of seq_id fit its blocks as they are: no new block, no copy-on-write."""
+        table = self._table(seq_id)
+        c, bs = table.num_tokens, self.block_size
+        return c + n <= len(table.block_ids) * bs and (
+            n == 0 or c % bs == 0 or self.allocator.ref_counts[table.block_ids[c // bs]] == 1)
+
     def allocate_slots(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> None:
         """Give each seq_ids[i] the blocks for num_new_tokens[i] more tokens, copying a shared partly filled
         last block first (copy-on-write). All or nothing: raises `NoFreeBlocksError`, changing nothing, if
         the pool cannot supply them. The scheduler (chapter 05) calls it request by request as it fills a
         step; `prepare` calls it too, and finds nothing left to do for blocks already allocated."""
+        if all(self._has_room(seq_id, n) for seq_id, n in zip(seq_ids, num_new_tokens)):
+            return  # the common case in decode: the last block has room and is this sequence's alone
         needed = self.blocks_needed(seq_ids, num_new_tokens)
         if not self.allocator.can_allocate(needed):
             raise NoFreeBlocksError(needed, self.allocator.num_free_blocks, self.allocator.num_blocks)
