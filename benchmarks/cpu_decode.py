@@ -11,7 +11,8 @@ The shipped `shakespeare-11m`, greedy, `--tokens` new tokens after a short promp
   `llama_cpp` is importable; skipped with a message when it is not (it compiles llama.cpp, ~20 min).
 
 Also one decode step of the model's forward: its wall time, and how many PyTorch ops it runs (counted by
-the profiler, whose own overhead per op makes its times useless for splitting the step's time); and the
+the profiler, whose own overhead per op makes its times useless for splitting the step's time), and for the
+compiled configurations the calls one compiled step makes (Inductor's generated loops and the library kernels); and the
 model's matrix-vector products alone, in fp32 and bf16: the weight bytes PyTorch's batch-1 kernels stream
 per second on one core.
 
@@ -102,6 +103,22 @@ def profile_step(model: minillm.Transformer, tokenizer: minillm.Tokenizer, repea
     return {"ops_per_step": len(top), "step_ms": statistics.median(walls) * 1e3}
 
 
+def compiled_step_calls(model: minillm.Transformer, tokenizer: minillm.Tokenizer) -> int:
+    """The calls one compiled decode step makes: Inductor's generated C++ loops and the library kernels it
+    calls (matrix products), counted by the profiler on one decode step of `generate_stream` (after the compile;
+    the loops show in the profile because `main` sets Inductor's `cpp.enable_kernel_profile` before compiling)."""
+    params = minillm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    stream = minillm.generate_stream(model, PROMPT, params, tokenizer, compile_decode=True)
+    for _ in range(10):  # the prompt, then decode steps: the compile is done by now
+        next(stream)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        next(stream)
+    names = [e.name for e in prof.events()]
+    stream.close()
+    return sum("cpp_fused" in n for n in names) + sum(
+        n in ("aten::mm", "aten::bmm", "aten::_weight_int8pack_mm") for n in names)
+
+
 @torch.inference_mode()
 def matvec_gb_s(model: minillm.Transformer, repeats: int = 30) -> dict[str, float]:
     """The model's own batch-1 matrix-vector products alone (every `nn.Linear` of the layers and the tied
@@ -132,6 +149,9 @@ def main() -> None:
     parser.add_argument("--gguf-types", nargs="+", default=["F32", "F16", "Q8_0"], help="llama.cpp's files")
     parser.add_argument("--llama-cpp-build", default="", help="how llama-cpp-python was built, for the results")
     args = parser.parse_args()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True  # the compiled steps' loops named in the profiler
 
     models = {name: load(name) for name in args.configs}
     compile_s: dict[str, float] = {}
@@ -180,6 +200,9 @@ def main() -> None:
     torch.set_num_threads(1)
     profiles = {name: profile_step(model, tok) for name, (model, tok) in models.items() if "+" not in name}
     matvecs = {name: matvec_gb_s(model) for name, (model, _) in models.items() if name in ("fp32", "bf16")}
+    for name, (model, tok) in models.items():
+        if name.endswith("+compile"):
+            profiles[name] = {"calls_per_step": compiled_step_calls(model, tok)}
     rows = [{"system": system, "threads": threads, "decode_tok_s": statistics.median(rates), "runs": rates}
             for (system, threads), rates in runs.items()]
     median = {(r["system"], r["threads"]): r["decode_tok_s"] for r in rows}
@@ -204,7 +227,10 @@ def main() -> None:
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     for name, p in profiles.items():
-        print(f"minillm {name}: {p['ops_per_step']} PyTorch ops per step, {p['step_ms']:.2f} ms a step (1 thread)")
+        if "calls_per_step" in p:
+            print(f"minillm {name}: {p['calls_per_step']} calls per step (generated loops and library kernels)")
+        else:
+            print(f"minillm {name}: {p['ops_per_step']} PyTorch ops per step, {p['step_ms']:.2f} ms a step (1 thread)")
     for name, m in matvecs.items():
         print(f"{name}: the {m['matmuls']} matrix-vector products alone {m['ms']:.2f} ms, "
               f"{m['gb_s']:.1f} GB/s (1 thread)")
