@@ -30,9 +30,8 @@ from collections.abc import Callable
 
 import torch
 from common import write_results
-from engine_throughput import LLAMA_1B, make_requests, run_minillm
+from engine_throughput import LLAMA_1B, add_workload_arguments, make_requests, random_llama_1b, run_minillm
 
-import minillm
 from minillm import arithmetic
 from minillm.engine import LLM, llm_engine, model_runner
 from minillm.engine.scheduler import Scheduler
@@ -106,22 +105,13 @@ def staged_run(model, requests, max_num_seqs: int, budget: int, profile: bool,  
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_arguments(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, unseeded")
     parser.add_argument("--name", default="engine_stages_cuda")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_stages.py needs a CUDA GPU.")
-    import transformers
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).to("cuda", torch.bfloat16).eval()
-    model = minillm.from_transformers(hf)
-    del hf
+    _, model = random_llama_1b()
     requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
     run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
     plain = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens, args.temperature)

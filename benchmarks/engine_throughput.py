@@ -46,6 +46,26 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's knobs, shared by the benchmarks that run it: how many requests, their lengths, the engine's
+    budgets."""
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+
+
+def random_llama_1b():  # noqa: ANN201 - (transformers.LlamaForCausalLM, minillm.Transformer)
+    """Llama-3.2-1B's shape with random bf16 weights (seed 0) on the GPU: the transformers model, and minillm's
+    conversion of it (the same weights)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).to("cuda", torch.bfloat16).eval()
+    return hf, minillm.from_transformers(hf)
+
+
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
@@ -112,21 +132,13 @@ def run_hf(hf, requests, batch: int) -> dict:  # noqa: ANN001
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_arguments(parser)
     parser.add_argument("--hf-batches", type=int, nargs="+", default=[64])
     parser.add_argument("--hf-single", type=int, default=4, help="requests timed at batch 1 (then extrapolated)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_throughput.py needs a CUDA GPU.")
-    import transformers
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).to("cuda", torch.bfloat16).eval()
-    model = minillm.from_transformers(hf)
+    hf, model = random_llama_1b()
     requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
     run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
     ours = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)

@@ -13,20 +13,13 @@ import sys
 
 import torch
 from common import write_results
-from engine_throughput import LLAMA_1B, make_requests, run_minillm
-
-import minillm
+from engine_throughput import LLAMA_1B, make_requests, random_llama_1b, run_minillm
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_throughput_ab.py needs a CUDA GPU.")
-    import transformers
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).to("cuda", torch.bfloat16).eval()
-    model = minillm.from_transformers(hf)
-    del hf
+    _, model = random_llama_1b()
     requests = make_requests(256, 100, 1024, LLAMA_1B["vocab_size"])
     run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
     ours = run_minillm(model, requests, 256, 8192)
