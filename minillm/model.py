@@ -162,26 +162,26 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        written = False  # whether the rotary kernel wrote the new keys and values to the cache itself
+        target = None  # where the rotary kernel writes k and v itself, if it does
         if isinstance(rope, RotaryPositions):  # one Triton kernel rotates q and k, angles computed in place
             from minillm.kernels import fused_rotary
 
-            # A captured decode step's cache lets the same launch write k and v to their slots (one launch, not 3)
+            # In a captured decode step the same launch also writes k and v to their cache slots (1 launch, not 3)
             target = getattr(cache, "fused_write_target", lambda layer: None)(self.layer_idx)
-            flat_v = v.reshape(B * T, self.n_kv_heads, self.head_dim)
             q, k = fused_rotary(q.reshape(B * T, self.n_heads, self.head_dim),
                                 k.reshape(B * T, self.n_kv_heads, self.head_dim), rope.positions, rope.inv_freq,
-                                cache=None if target is None else (flat_v, *target))
-            written = target is not None
+                                cache=None if target is None else
+                                (v.reshape(B * T, self.n_kv_heads, self.head_dim), *target))
             q = q.view(B, T, self.n_heads, self.head_dim)
-            k = k.view(B, T, self.n_kv_heads, self.head_dim) if not written else v  # (k is in the pool now)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
-        if not isinstance(rope, RotaryPositions):
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if written:
-            k, v = cache.pools(self.layer_idx)  # what the paged kernel reads
-        elif cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim]: every key to attend to
+        q = q.transpose(1, 2)  # [B, heads, T, head_dim]
+        if target is not None:  # k and v are in the cache already: the pools are what the paged kernel reads
+            k, v = cache.pools(self.layer_idx)
+        else:
+            k, v = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2), v.transpose(1, 2)
+            if not isinstance(rope, RotaryPositions):
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim]: every key to attend to
         out = grouped_query_attention(q, k, v, mask)  # [B, n_heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
 
