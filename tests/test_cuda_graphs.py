@@ -203,7 +203,7 @@ def test_graph_replay_matches_the_eager_step_and_generate_uses_it(monkeypatch):
 def test_capture_survives_garbage_collection_of_another_engines_graphs():
     """Dead graphs in a reference cycle (an old engine's, say) are freed by the garbage collector whenever it runs;
     if it ran during another capture, the freeing would make that capture fail (and the engine run eagerly).
-    Capture collects first and keeps the collector off, so it must succeed even with the collector eager to run."""
+    Capture keeps the collector off, so it must succeed even with the collector eager to run."""
     import gc
 
     model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.float32)

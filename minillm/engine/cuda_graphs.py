@@ -236,8 +236,7 @@ class DecodeGraphs:
                 self._step(size)  # compiles the Triton kernels, creates cuBLAS handles: nothing new during capture
         torch.cuda.current_stream().wait_stream(stream)
         # No garbage collection during capture: collecting a dead object that holds graphs or CUDA memory (another
-        # engine's, say) frees them mid-capture, which CUDA forbids, and the capture fails. Collect now instead.
-        gc.collect()
+        # engine's, say) frees them mid-capture, which CUDA forbids, and the capture fails. They wait for later.
         collecting = gc.isenabled()
         gc.disable()
         try:
