@@ -219,7 +219,8 @@ def fused_rotary(
     positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
     q_out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
     if cache is None:
-        k_out = v = v_out = slots = torch.empty((N, H_kv, D), dtype=k.dtype, device=k.device)
+        k_out = torch.empty((N, H_kv, D), dtype=k.dtype, device=k.device)
+        v = v_out = slots = k_out  # never read or written without a cache (TO_CACHE=False): any pointer will do
     else:
         v, k_pool, v_pool, slots = cache
         for pool in (k_pool, v_pool):

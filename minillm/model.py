@@ -405,6 +405,11 @@ class CacheView(Protocol):
     The contiguous `minillm.kv_cache.KVCache` (chapter 02) answers for a batch of equal-length rows;
     a `minillm.engine.kv_cache.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
     may hold sequences of different lengths.
+
+    A cache may also offer two more, which only a captured decode step's view does
+    (`minillm.engine.cuda_graphs.GraphDecodeView`): `fused_write_target(layer)`, the (k_pool, v_pool, slots) the
+    fused rotary kernel may write the new keys and values to itself (or None), and `pools(layer)`, what
+    attention then reads in place of `update`'s answer.
     """
 
     def positions(self, n: int) -> torch.Tensor:
