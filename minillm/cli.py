@@ -165,7 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               num_speculative_tokens=args.num_speculative_tokens, enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size)
     return 0
 
 
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "or a folder), or [ngram] for prompt lookup")
     srv.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="drafts per step with --speculative-model (default 4; chapter 07)")
+    srv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="split every layer over this many processes, one GPU each on CUDA (default 1; chapter 08)")
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                      help="the largest request body accepted; larger ones get 413 (default 16 MiB)")

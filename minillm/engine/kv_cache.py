@@ -433,11 +433,17 @@ class PagedCacheView:
         self, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable], token_ids: list[list[int]]
     ) -> None:
         self.cache, self.seq_ids, self.tables, self.token_ids = cache, seq_ids, tables, token_ids
-        self.context_lens = [t.num_tokens for t in tables]
-        self.num_new = [len(new) for new in token_ids]
+        self._set_inputs(StepInputs.build(tables, token_ids, cache.device), [t.num_tokens for t in tables],
+                         [len(new) for new in token_ids])
+
+    def _set_inputs(self, inputs: StepInputs, context_lens: list[int], num_new: list[int]) -> None:
+        """Everything the forward reads, from the step's inputs and each row's cached and new token counts (a
+        tensor-parallel worker, which holds no block tables, builds its view from these alone: chapter 08)."""
+        cache = self.cache
+        self.context_lens, self.num_new = context_lens, num_new
         self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
         self.max_seq_len = max(self.seq_lens)
-        self.inputs = StepInputs.build(tables, token_ids, cache.device)
+        self.inputs = inputs
         self.T = self.inputs.T
         self.tokens, self.position_ids = self.inputs.tokens, self.inputs.position_ids
         self.slot_mapping, self.block_tables = self.inputs.slot_mapping, self.inputs.block_tables

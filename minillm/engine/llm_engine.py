@@ -117,6 +117,10 @@ class LLMEngine:
             `spec_stats` counts what was proposed and accepted.
         compile_decode: on a CPU, compile the decode step with `torch.compile` at the first decode step (a few
             seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by default.
+        tensor_parallel_size: split every layer across this many processes (`minillm.parallel.tensor`, chapter 08;
+            vLLM's option of the same name): this process is rank 0 and starts the others, on the CPU (gloo) or
+            one GPU each (NCCL). Its decode steps run eagerly (no CUDA graphs), without speculation. Call
+            `shutdown()` to stop the workers (they also stop when this process exits).
     """
 
     def __init__(
@@ -134,7 +138,17 @@ class LLMEngine:
         kv_cache_dtype: str = "auto",
         kv_cache_memory_bytes: float | None = None,
         compile_decode: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        self.tp = None
+        if tensor_parallel_size != 1:
+            if speculative is not None or compile_decode:
+                raise ValueError("tensor_parallel_size > 1 runs plain eager steps: leave speculative and "
+                                 "compile_decode off with it.")
+            from minillm.parallel.tensor import TensorParallel
+
+            self.tp = TensorParallel(model, tensor_parallel_size)
+            model = self.tp.model  # rank 0's shard: its heads, its slice of the MLP
         self.model, self.tokenizer = model, tokenizer
         draft = getattr(speculative.drafter, "model", None) if speculative is not None else None
         if draft is not None and draft.config.vocab_size != model.config.vocab_size:
@@ -152,11 +166,14 @@ class LLMEngine:
                                                kv_cache_dtype)
         if num_blocks is None:
             num_blocks = max_num_seqs * kv_blocks(model.config.max_seq_len, block_size)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
-                                  enable_prefix_caching, kv_cache_dtype)
+        cache_args = (model.config, num_blocks, block_size, model.device, model.dtype, enable_prefix_caching,
+                      kv_cache_dtype)  # with tensor parallelism, rank 0's heads (each rank's pool holds its own)
+        self.cache = self.tp.paged_cache(*cache_args) if self.tp else PagedKVCache(*cache_args)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        no_graphs = "speculative decoding is on (its verify forwards are not captured)" if speculative else None
-        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs, compile_decode)
+        no_graphs = ("speculative decoding is on (its verify forwards are not captured)" if speculative else
+                     "tensor parallelism is on (its steps run eagerly)" if self.tp else None)
+        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs, compile_decode,
+                                        self.tp)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self._ids = itertools.count()
@@ -250,6 +267,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do for a one-process engine)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -374,6 +396,10 @@ class LLM:
 
             model, tokenizer = load(model)
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (`LLMEngine.shutdown`)."""
+        self.engine.shutdown()
 
     def generate(
         self,

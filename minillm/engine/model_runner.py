@@ -71,11 +71,14 @@ class ModelRunner:
         compile_decode: on a CPU, run decode-only forwards through `torch.compile` over the same fixed buffers
             (`DecodeGraphs(capture=False, compile=True)`): the CPU's counterpart of CUDA graphs, compiled at
             the first decode step (seconds), then faster every step.
+        tp: a `minillm.parallel.tensor.TensorParallel` group whose rank 0 this is (`model` is then rank 0's
+            shard): every forward runs on all its ranks through `TensorParallel.forward` (chapter 08).
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
-                 no_graphs_reason: str | None = None, compile_decode: bool = False) -> None:
+                 no_graphs_reason: str | None = None, compile_decode: bool = False, tp: Any = None) -> None:
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
+        self.paged_forward = paged_forward if tp is None else tp.forward
         reason = graphs_unavailable(model) or no_graphs_reason
         if cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
@@ -108,7 +111,7 @@ class ModelRunner:
             if group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [token_ids[i][0] for i in group])
             else:
-                rows = paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
+                rows = self.paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
             for j, i in enumerate(group):
                 logits[i] = rows[j]
         return torch.stack(logits)
