@@ -150,3 +150,22 @@ def test_minillm_serve_with_two_ranks_answers_as_one_process_does() -> None:
         reply = client.completions.create(model="shakespeare-1m", prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert reply.choices[0].text == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL, one per rank)")
+def test_two_gpus_over_nccl_give_one_gpu_tokens_and_logits() -> None:
+    model = random_model().cuda()
+    prompts = [[3, 17, 9, 44, 5], [8, 2, 99, 31, 64, 12, 7]]
+    expected = LLM(model, cuda_graphs=False).generate(prompts, GREEDY, use_tqdm=False)
+    one = PagedKVCache(model.config, 8, 16, "cuda")
+    one.add_sequence("s")
+    expected_logits = paged_forward(model, one, ["s"], [prompts[1]])
+    llm = LLM(model, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+            [o.token_ids for o in expected]
+        llm.engine.cache.add_sequence("s")
+        torch.testing.assert_close(llm.engine.model_runner.forward(["s"], [prompts[1]]), expected_logits,
+                                   rtol=1e-4, atol=1e-4)
+    finally:
+        llm.shutdown()

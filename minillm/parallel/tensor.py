@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import socket
 import traceback
 from collections.abc import Hashable, Sequence
 from datetime import timedelta
@@ -47,6 +46,7 @@ from torch import nn
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache, StepInputs
 from minillm.model import Transformer
+from minillm.parallel.rendezvous import free_port
 
 
 class TensorParallelError(RuntimeError):
@@ -224,13 +224,6 @@ def _worker(rank: int, world: int, init_method: str, device: str, config: ModelC
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         finally:
             os._exit(1)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallel:
