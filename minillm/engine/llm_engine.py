@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +176,10 @@ class LLMEngine:
                                         self.tp)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
+        # Called with each sequence that finishes in a step, before its blocks are freed: a prefill worker reads
+        # the prompt's KV there to send it on (`minillm.disagg`, chapter 08). Not called for aborts.
+        self.on_finish: Callable[[Seq], None] | None = None
+        self.reserved: set[str] = set()  # requests whose KV another engine is sending (`reserve_prefilled`)
         self._ids = itertools.count()
 
     @property
@@ -231,17 +235,70 @@ class LLMEngine:
                                  "may end.")
             if constraint.is_finished(constraint.start):
                 raise ValueError("the constraint allows only the empty string: there is nothing to generate.")
-        seq = Seq(request_id, ids, params, request_id=request_id, generator=self._generator(params, 0),
-                  detokenizer=IncrementalDecoder(self.tokenizer, ids) if self.tokenizer is not None else None,
-                  eos_token_ids=set() if params.ignore_eos else self.eos)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
+        seq = self._new_sequence(request_id, ids, params, arrival_time)
         if constraint is not None:  # everything that can fail comes before the scheduler takes the sequence
             seq.constraint = Constraint(constraint, masks_for(constraint, self.model.config.vocab_size,
                                                               self.model.device))
             seq.dfa_state = constraint.start
         self.scheduler.add(seq)  # refuses ids in use and requests larger than the cache; last, so a refusal leaves
         return request_id  # nothing behind
+
+    # ------------------------------------------------------------------ prompts prefilled elsewhere (chapter 08)
+    def reserve_prefilled(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
+        """Blocks for the keys and values of a request's `num_tokens` prompt tokens, computed by another engine (a
+        prefill worker, `minillm.disagg`): the flat slots to write them to [num_tokens] (`write_kv`), or None if
+        the request must wait: max_num_seqs sequences already run (or are arriving), or the pool is short of
+        blocks (keeping the scheduler's reserve for running sequences). Then `add_prefilled` continues it."""
+        scheduler, cache = self.scheduler, self.cache
+        if request_id in scheduler.sequences or request_id in self.reserved:
+            raise ValueError(f"id {request_id!r} is already in use: give each request its own id.")
+        if len(scheduler.running) + len(self.reserved) >= scheduler.max_num_seqs:
+            return None
+        needed = kv_blocks(num_tokens, cache.block_size)
+        if needed + scheduler.watermark_blocks > cache.allocator.num_free_blocks:
+            return None
+        cache.add_sequence(request_id)
+        cache.allocate_slots([request_id], [num_tokens])
+        self.reserved.add(request_id)
+        table = cache.block_tables[request_id]
+        return torch.tensor([table.slot(p) for p in range(num_tokens)], device=cache.device)
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Give back a reservation whose request will not continue here (aborted while its KV was on the way)."""
+        if request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.cache.free(request_id)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
+                      first_logprob: float, first_top: dict[int, float], generator_state: torch.Tensor | None = None,
+                      arrival_time: float | None = None) -> RequestOutput:
+        """Continue a request reserved by `reserve_prefilled`, whose prompt's keys and values are now in its blocks
+        and whose first token another engine sampled: it runs from its next decode step, as if this engine had
+        prefilled it. `generator_state`: the seeded generator's state after the first token, so that a seeded
+        request draws what it would have drawn in one engine. Returns the output of the first token."""
+        if request_id not in self.reserved:
+            raise ValueError(f"request {request_id!r} has no reserved blocks: call reserve_prefilled first.")
+        self.reserved.discard(request_id)
+        seq = self._new_sequence(request_id, list(prompt_token_ids), params, arrival_time)
+        if generator_state is not None and seq.generator is not None:
+            seq.generator.set_state(generator_state)
+        self.cache.commit([self.cache.block_tables[request_id]], [seq.prompt_token_ids])  # the tokens join its table
+        seq.num_computed_tokens = len(prompt_token_ids)
+        self.scheduler.add_running(seq)
+        seq.append_token(first_token, first_logprob, first_top, time.perf_counter())
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq, seq.finish_reason)
+        return self._output(seq, [first_token], seq.text)
+
+    def _new_sequence(self, request_id: str, ids: list[int], params: SamplingParams,
+                      arrival_time: float | None) -> Seq:
+        """A request's first sequence: its generator, detokenizer and end-of-sequence ids."""
+        seq = Seq(request_id, ids, params, request_id=request_id, generator=self._generator(params, 0),
+                  detokenizer=IncrementalDecoder(self.tokenizer, ids) if self.tokenizer is not None else None,
+                  eos_token_ids=set() if params.ignore_eos else self.eos)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        return seq
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Sequence `index`'s random generator, seeded seed + index (None without a seed)."""
@@ -305,6 +362,8 @@ class LLMEngine:
                 new_ids.append(token)
                 seq.append_token(token, logprob, top, now)
                 if seq.finish_reason is not None:  # drafts accepted past the end are dropped
+                    if self.on_finish is not None:
+                        self.on_finish(seq)
                     self.scheduler.finish(seq, seq.finish_reason)
                     self._release(seq)
                     break

@@ -142,6 +142,15 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.sequences[seq.seq_id]
 
+    def add_running(self, seq: Sequence) -> None:
+        """Run `seq` from the next step: its first `num_computed_tokens` are in the cache already, in blocks its
+        engine allocated (a prompt prefilled by another engine, chapter 08's disaggregation)."""
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"id {seq.seq_id!r} is already in use: give each request its own id.")
+        seq.status = SequenceStatus.RUNNING
+        self.sequences[seq.seq_id] = seq
+        self.running.append(seq)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run `child`, a copy of the running `parent` (`Sequence.fork`), sharing its KV blocks (copy-on-write):
         one more sequence of an n > 1 request, started when the parent's prompt is done."""
