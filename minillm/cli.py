@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
     return 0
 
 
@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafts per step with --speculative-model (default 4; chapter 07)")
     srv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="split every layer over this many processes, one GPU each on CUDA (default 1; chapter 08)")
+    srv.add_argument("--disaggregate", action="store_true",
+                     help="prefill prompts in one worker process and decode in another, the KV cache sent between "
+                          "them (chapter 08; on CUDA a GPU each); the engine flags apply to both workers. Not with "
+                          "--speculative-model, --quant, --kv-cache-dtype int8/fp8 or -tp > 1; requests with n or "
+                          "best_of > 1 or a response_format get a 400")
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                      help="the largest request body accepted; larger ones get 413 (default 16 MiB)")

@@ -40,12 +40,15 @@ prefill runs, quantised KV caches, n > 1 and constrained decoding across the spl
     engine = DisaggregatedEngine(model, tokenizer)
     outputs = engine.generate(["ROMEO.\\n", "JULIET.\\n"], SamplingParams(max_tokens=32))
     engine.shutdown()
+
+`minillm serve --disaggregate` serves it over the OpenAI API (`minillm.server`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import time
 import traceback
@@ -126,6 +129,9 @@ def landed(work: Any) -> threading.Event:
 def _start_worker(rank: int, init_method: str, device: str, config: Any, state: dict[str, torch.Tensor],
                   dtype: torch.dtype, tokenizer: Tokenizer | None, engine_kwargs: dict) -> LLMEngine:
     """Join the KV group and build this worker's engine."""
+    # Ctrl-C in a terminal reaches the whole process group; a worker stops when its router says so (`shutdown`),
+    # so that a server drains its open requests first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -407,12 +413,17 @@ class DisaggregatedEngine:
             outputs += self._fail(list(self.requests), self.down)
         return outputs
 
-    def worker_stats(self, timeout: float = 10) -> dict[str, dict[str, int]]:
-        """Ask both workers what they hold now: {"prefill": {...}, "decode": {...}} with each engine's unfinished
-        requests, reserved requests and used blocks (and P's staged KV tensors, D's waiting and arriving offers)."""
+    def ask_stats(self) -> None:
+        """Ask both workers what they hold now, without waiting: `step` files their answers in `stats` as they come
+        (a server's /metrics polls for them; `worker_stats` waits for them)."""
         self.stats = {}
         for inbox in self.inboxes:
             inbox.send(("stats",))
+
+    def worker_stats(self, timeout: float = 10) -> dict[str, dict[str, int]]:
+        """Ask both workers what they hold now: {"prefill": {...}, "decode": {...}} with each engine's unfinished
+        requests, reserved requests and used blocks (and P's staged KV tensors, D's waiting and arriving offers)."""
+        self.ask_stats()
         deadline = time.time() + timeout
         while len(self.stats) < 2 and not self.down and time.time() < deadline:
             self._held += self.step(timeout=0.05)

@@ -22,6 +22,16 @@ that speaks it work unchanged:
 Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
 
+`minillm serve --disaggregate` serves a `DisaggregatedEngine` instead (chapter 08, `minillm.disagg`): prompts are
+prefilled in one worker process and decoded in another, the KV cache sent between them; this process only routes.
+Its `step(timeout=0)` collects what the workers sent without waiting, so the loop polls it and sleeps a few
+milliseconds when nothing came (`DisaggregatedAsyncEngine`, the few methods where the two engines differ); the
+endpoints are the same. The engine flags apply to both workers. Refused: at start-up, speculative decoding,
+--quant, a quantised KV cache and -tp > 1 (one line, as every impossible combination); per request, n or best_of
+> 1 and response_format (a 400 naming the field). A request a worker fails gets a 500 (an error event when
+streaming) naming the failure; once a worker has died, /health answers 503 saying so, and every new request gets a
+503 naming the dead worker: the server must be restarted. The workers stop with the server.
+
 What OpenAI clients send is implemented or refused by name, never silently ignored: `logprobs` (and chat's
 `top_logprobs`) return the engine's log-probabilities in each API's shape; `echo` puts the prompt before the
 completion; `response_format` {"type": "json_schema", ...} constrains the output to the schema, and
@@ -58,12 +68,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from minillm.constrained import TokenIndex, json_object_regex
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
+
+if TYPE_CHECKING:  # imported where --disaggregate builds one: a one-process server never loads it
+    from minillm.disagg import DisaggregatedEngine
 
 try:
     from fastapi import FastAPI, HTTPException, Request
@@ -213,9 +226,11 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------------- metrics
 class Metrics:
-    """The server's Prometheus metrics, in their own registry (so several servers in one process do not clash)."""
+    """The server's Prometheus metrics, in their own registry (so several servers in one process do not clash).
+    The counters and histograms follow the outputs (`observe`); the gauges are read from the engine at each scrape
+    (`AsyncEngine.metrics_text`)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
@@ -244,8 +259,6 @@ class Metrics:
                                      registry=r)
         self.cuda_graphs = Gauge("minillm_cuda_graphs_enabled", "1 if decode steps replay CUDA graphs, 0 if eager.",
                                  registry=r)
-        self.blocks_total.set(engine.cache.allocator.num_blocks)
-        self.engine = engine
 
     def observe(self, out: RequestOutput) -> None:
         """Record one step's output of one request."""
@@ -259,17 +272,9 @@ class Metrics:
             self.finished.labels(out.finish_reason).inc()
 
     def text(self) -> bytes:
+        """Every metric in Prometheus' text format."""
         from prometheus_client import generate_latest
 
-        scheduler, allocator = self.engine.scheduler, self.engine.cache.allocator
-        self.waiting.set(len(scheduler.waiting))
-        self.running.set(len(scheduler.running))
-        self.blocks_used.set(allocator.num_used_blocks)
-        self.prefix_hits.set(allocator.hits)
-        self.prefix_queries.set(allocator.hits + allocator.misses)
-        self.draft_tokens.set(self.engine.spec_stats.num_proposed)
-        self.accepted_tokens.set(self.engine.spec_stats.num_accepted)
-        self.cuda_graphs.set(float(self.engine.use_cuda_graphs))
         return generate_latest(self.registry)
 
 
@@ -278,6 +283,7 @@ class Metrics:
 class _Waiter:
     queue: asyncio.Queue
     sequences: int = 1  # best_of: the request is done when this many sequences have finished
+    prompt_tokens: int = 0  # the prompt's length in tokens (the response's usage)
     finished: int = 0
     error: APIError | None = None  # set when the engine failed on a step of this request
 
@@ -287,7 +293,13 @@ class _Waiter:
 
 
 class AsyncEngine:
-    """Steps the engine in the background while any request is unfinished; routes outputs to their waiters."""
+    """Steps the engine in the background while any request is unfinished; routes outputs to their waiters.
+
+    What the loop and the handlers ask of the engine goes through a few methods (`step`, `submit`,
+    `check_request`, `requests_of_failed_step`, `problem`, `metrics_text`); `DisaggregatedAsyncEngine`
+    overrides them for the prefill/decode split, and the rest of the server is the same for both."""
+
+    poll_interval_s = 0.0  # how long the loop sleeps after a step that gave no output (LLMEngine: not at all)
 
     def __init__(self, engine: LLMEngine, max_queue: int) -> None:
         self.engine, self.max_queue = engine, max_queue
@@ -299,46 +311,90 @@ class AsyncEngine:
             longest = max((len(t) for t in engine.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = 2 * engine.model.config.max_seq_len * longest
         self.constraints: dict[str, TokenIndex] = {}  # compiled response_format schemas, by their JSON
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics()
         self.waiters: dict[str, _Waiter] = {}
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
     async def loop(self) -> None:
+        """Step while any request is unfinished, else sleep until one comes; route every output."""
         while True:
             if not self.engine.has_unfinished_requests():
                 self.wakeup.clear()
-                await self.wakeup.wait()
-            self.engine.last_step = None  # set by the step's schedule: who ran in it
+                await self.wait_for_requests()
             try:
-                outputs = self.engine.step()
+                outputs = self.step()
             except Exception as exc:  # noqa: BLE001 - one failed step must not stop the service
                 self.fail_step(exc)
                 await asyncio.sleep(0)
                 continue
-            for out in outputs:
-                self.metrics.observe(out)
-                waiter = self.waiters.get(out.request_id)
-                if waiter is not None:
-                    waiter.queue.put_nowait(out)
-            await asyncio.sleep(0)  # let the handlers run: read new requests, send what was produced
+            self.route(outputs)
+            # let the handlers run: read new requests, send what was produced
+            await asyncio.sleep(0 if outputs else self.poll_interval_s)
+
+    async def wait_for_requests(self) -> None:
+        """Sleep until a handler adds a request (`wakeup`)."""
+        await self.wakeup.wait()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: one forward for every running request, in this process."""
+        self.engine.last_step = None  # set by the step's schedule: who ran in it
+        return self.engine.step()
+
+    def route(self, outputs: list[RequestOutput]) -> None:
+        """Count each output in the metrics and hand it to its request's waiter."""
+        for out in outputs:
+            self.metrics.observe(out)
+            waiter = self.waiters.get(out.request_id)
+            if waiter is not None:
+                waiter.queue.put_nowait(out)
 
     def fail_step(self, exc: Exception) -> None:
-        """The engine raised in a step: fail the requests of that step (all unfinished ones if it failed before
-        choosing them) with a 500 in OpenAI's shape, free their blocks, log it, and keep serving the rest."""
-        plan = self.engine.last_step
-        sequences = [s for s, _ in plan.scheduled] if plan else list(self.engine.scheduler.sequences.values())
-        failed = sorted({s.request_id for s in sequences})
+        """The engine raised in a step: fail the requests of that step with a 500 in OpenAI's shape, free their
+        blocks, log it, and keep serving the rest."""
+        failed = self.requests_of_failed_step()
         log.error("a step of the engine failed (%s: %s); failing its request(s) %s and serving the others",
                   type(exc).__name__, exc, failed, exc_info=exc)
         self.engine.abort_request(failed)
         for request_id in failed:
-            waiter = self.waiters.get(request_id)
-            if waiter is not None:
-                waiter.error = APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
-                                        "server_error", code="engine_error")
-                waiter.queue.put_nowait(None)
-            self.metrics.finished.labels("error").inc()
+            self.fail(request_id, f"the engine failed on this request: {type(exc).__name__}: {exc}")
+
+    def requests_of_failed_step(self) -> list[str]:
+        """The requests in the step that raised: those it scheduled, or every unfinished one if it failed before
+        choosing them."""
+        plan = self.engine.last_step
+        sequences = [s for s, _ in plan.scheduled] if plan else list(self.engine.scheduler.sequences.values())
+        return sorted({s.request_id for s in sequences})
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End a request with a 500 in OpenAI's shape (an error event when streaming) that says `message`."""
+        waiter = self.waiters.get(request_id)
+        if waiter is not None:
+            waiter.error = APIError(500, message, "server_error", code="engine_error")
+            waiter.queue.put_nowait(None)
+        self.metrics.finished.labels("error").inc()
+
+    def problem(self) -> str | None:
+        """Why the server cannot serve now (what /health answers with a 503), or None while it can."""
+        return "engine loop stopped" if self.task is None or self.task.done() else None
+
+    async def metrics_text(self) -> bytes:
+        """/metrics: the counters kept as outputs passed, and the engine's gauges read now."""
+        m, scheduler, allocator = self.metrics, self.engine.scheduler, self.engine.cache.allocator
+        m.waiting.set(len(scheduler.waiting))
+        m.running.set(len(scheduler.running))
+        m.blocks_used.set(allocator.num_used_blocks)
+        m.blocks_total.set(allocator.num_blocks)
+        m.prefix_hits.set(allocator.hits)
+        m.prefix_queries.set(allocator.hits + allocator.misses)
+        m.draft_tokens.set(self.engine.spec_stats.num_proposed)
+        m.accepted_tokens.set(self.engine.spec_stats.num_accepted)
+        m.cuda_graphs.set(float(self.engine.use_cuda_graphs))
+        return m.text()
+
+    def check_request(self, params: SamplingParams, schema: dict | str | None) -> None:
+        """Refuse (APIError) what this engine cannot serve, before anything is compiled or queued. The one-process
+        engine serves every request that got this far."""
 
     async def constraint(self, schema: dict | str | None) -> TokenIndex | None:
         """The token index of a JSON schema or a regex (chapter 01), built off the event loop and kept for the next
@@ -368,21 +424,24 @@ class AsyncEngine:
                                 "retry later.", "rate_limit_exceeded", code="queue_full")
         request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
         try:
-            self.engine.add_request(request_id, prompt, params, constraint=constraint)
+            prompt_tokens = self.submit(request_id, prompt, params, constraint)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
-        waiter = self.waiters[request_id] = _Waiter(asyncio.Queue(), params.best_of or params.n)
-        self.metrics.prompt_tokens.inc(self.num_prompt_tokens(request_id))
+        waiter = self.waiters[request_id] = _Waiter(asyncio.Queue(), params.best_of or params.n, prompt_tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         self.wakeup.set()
         return request_id, waiter
 
-    def num_prompt_tokens(self, request_id: str) -> int:
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               constraint: TokenIndex | None) -> int:
+        """Queue the request in the engine (a ValueError if it cannot take it); returns the prompt's tokens."""
+        self.engine.add_request(request_id, prompt, params, constraint=constraint)
         return len(self.engine.scheduler.sequences[request_id].prompt_token_ids)
 
     def release(self, request_id: str) -> None:
         """The handler is done with this request: abort it if unfinished (a client went away)."""
         waiter = self.waiters.pop(request_id, None)
-        if waiter is not None and not waiter.done:
+        if waiter is not None and not waiter.done and waiter.error is None:
             self.engine.abort_request(request_id)
             self.metrics.finished.labels("abort").inc()
 
@@ -404,6 +463,118 @@ class AsyncEngine:
             yield out
             if waiter.done:
                 return
+
+
+def one_line(reason: str) -> str:
+    """A worker's failure in one line: its first line, and a traceback's last (the exception), if it has one."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+class DisaggregatedAsyncEngine(AsyncEngine):
+    """`AsyncEngine` over a `DisaggregatedEngine` (`minillm serve --disaggregate`, chapter 08).
+
+    This process only routes: the workers compute in their own processes, and `step` just collects what they sent.
+    So the loop calls it with timeout=0 (a wait would block the event loop) and sleeps `poll_interval_s` when
+    nothing came, letting the handlers run meanwhile. The router knows each request's phase ("prefill" or
+    "decode"), not the workers' queues: /metrics shows those phases as waiting and running, and the workers' KV
+    blocks when both answer within `metrics_wait_s`. A worker that dies fails the requests it held; the router
+    notices it at its next look (within `idle_check_s` when idle), and from then on refuses every request."""
+
+    engine: DisaggregatedEngine
+    poll_interval_s = 0.002
+    idle_check_s = 0.5  # with no request, still look this often, so that a dead worker is noticed (/health)
+    metrics_wait_s = 0.5  # how long /metrics waits for the workers' block counts
+
+    def __init__(self, engine: DisaggregatedEngine, max_queue: int) -> None:
+        super().__init__(engine, max_queue)  # it has what the base reads: model, tokenizer, the request calls
+        from prometheus_client import Gauge
+
+        self.worker_blocks_used = Gauge("minillm_worker_kv_blocks_used", "KV-cache blocks held, per worker.",
+                                        ["worker"], registry=self.metrics.registry)
+        self.worker_blocks_total = Gauge("minillm_worker_kv_blocks_total", "KV-cache blocks in each worker's pool.",
+                                         ["worker"], registry=self.metrics.registry)
+        self.logged_down = False
+
+    async def wait_for_requests(self) -> None:
+        """Sleep until a handler adds a request, or `idle_check_s` has passed."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wakeup.wait(), timeout=self.idle_check_s)
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs the workers sent since the last look, without waiting; a request that failed in a worker
+        is failed here, with the worker's reason."""
+        outputs = []
+        for out in self.engine.step(timeout=0):
+            if out.finish_reason == "error":
+                self.fail(out.request_id, "the disaggregated engine failed on this request: "
+                          + one_line(self.engine.errors.pop(out.request_id, "unknown")))
+            else:
+                outputs.append(out)
+        if self.engine.down and not self.logged_down:
+            self.logged_down = True
+            log.error("the disaggregated engine cannot serve any more: %s", self.engine.down)
+        return outputs
+
+    def requests_of_failed_step(self) -> list[str]:
+        """Every unfinished request: the router cannot tell which ones a failed look concerned."""
+        return sorted(self.engine.requests)
+
+    def down_error(self) -> APIError:
+        """The 503 every request gets once a worker has died."""
+        why = one_line(self.engine.down or "a worker stopped answering")
+        return APIError(503, f"{why}: this server cannot serve requests any more; restart it.", "server_error",
+                        code="engine_down")
+
+    def problem(self) -> str | None:
+        """The base's problem, or the dead worker."""
+        return super().problem() or (self.down_error().message if self.engine.down else None)
+
+    def check_request(self, params: SamplingParams, schema: dict | str | None) -> None:
+        """Refuse, before anything is compiled or tokenised: every request once a worker has died (503); n or
+        best_of > 1 and response_format, which do not cross the prefill/decode split (400)."""
+        if self.engine.down:
+            raise self.down_error()
+        if (params.best_of or params.n) > 1:
+            field = "n" if params.n > 1 else "best_of"
+            raise APIError(400, f"{field} > 1 is not supported with --disaggregate (one sequence per request crosses "
+                                f"the prefill/decode split): send {params.best_of or params.n} requests instead.",
+                           param=field, code="unsupported_parameter")
+        if schema is not None:
+            raise APIError(400, "response_format (constrained decoding) is not supported with --disaggregate: ask "
+                                "for free text, or serve without --disaggregate.", param="response_format",
+                           code="unsupported_parameter")
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               constraint: TokenIndex | None) -> int:
+        """Queue the request at the prefill worker (constraint is None: `check_request` refused the others)."""
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except (RuntimeError, OSError) as exc:  # a worker died since the loop last looked (a broken pipe)
+            self.route(self.step())  # notices it, and fails what the workers held
+            raise self.down_error() from exc
+        return len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
+
+    async def metrics_text(self) -> bytes:
+        """What the router knows (each request's phase, tokens, TTFT, ITL), and the workers' KV blocks if both
+        answer within `metrics_wait_s` (else the last ones they sent)."""
+        if not self.engine.down:
+            with contextlib.suppress(OSError):
+                self.engine.ask_stats()
+                deadline = time.monotonic() + self.metrics_wait_s
+                while len(self.engine.stats) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                    self.route(self.step())  # the answers come in with the outputs
+        m, phases = self.metrics, list(self.engine.requests.values())
+        m.waiting.set(phases.count("prefill"))
+        m.running.set(phases.count("decode"))
+        for rank, name in enumerate(("prefill", "decode")):
+            if rank in self.engine.stats:
+                self.worker_blocks_used.labels(name).set(self.engine.stats[rank]["used_blocks"])
+                self.worker_blocks_total.labels(name).set(self.engine.stats[rank]["num_blocks"])
+        m.blocks_used.set(sum(s["used_blocks"] for s in self.engine.stats.values()))
+        m.blocks_total.set(sum(s["num_blocks"] for s in self.engine.stats.values()))
+        return m.text()
 
 
 # ---------------------------------------------------------------------- the body limit
@@ -454,23 +625,28 @@ class BodyLimit:
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default_max_tokens: int = 16,
-               api_key: str | None = None, metrics_require_api_key: bool = False,
+def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_queue: int = 256,
+               default_max_tokens: int = 16, api_key: str | None = None, metrics_require_api_key: bool = False,
                max_body_bytes: int = 16 * 2**20) -> FastAPI:
-    """The FastAPI app serving `engine` as `model_name` (see the module docstring). With `api_key`, every /v1/
-    route (and /metrics, with metrics_require_api_key) answers 401 unless the request carries
-    `Authorization: Bearer <api_key>`."""
+    """The FastAPI app serving `engine` (one `LLMEngine`, or a `DisaggregatedEngine` and its workers) as
+    `model_name` (see the module docstring). With `api_key`, every /v1/ route (and /metrics, with
+    metrics_require_api_key) answers 401 unless the request carries `Authorization: Bearer <api_key>`. The app
+    owns the engine: it calls `engine.shutdown()` when it shuts down."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a key, or none to serve without one.")
     if metrics_require_api_key and api_key is None:
         raise ValueError("--metrics-require-api-key needs an API key (--api-key or MINILLM_API_KEY).")
-    state = AsyncEngine(engine, max_queue)
+    if isinstance(engine, LLMEngine):
+        state = AsyncEngine(engine, max_queue)
+    else:  # a DisaggregatedEngine (`minillm serve --disaggregate`)
+        state = DisaggregatedAsyncEngine(engine, max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.task = asyncio.create_task(state.loop())  # the engine loop runs as long as the server
         yield
         state.task.cancel()
+        engine.shutdown()  # its worker processes, if it has any (--disaggregate, --tensor-parallel-size)
 
     app = FastAPI(title="minillm", description="An OpenAI-compatible server over minillm's engine (chapter 05).",
                   lifespan=lifespan)
@@ -532,8 +708,8 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
-        alive = state.task is not None and not state.task.done()
-        return PlainTextResponse("ok" if alive else "engine loop stopped", status_code=200 if alive else 503)
+        problem = state.problem()
+        return PlainTextResponse(problem or "ok", status_code=503 if problem else 200)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -542,12 +718,14 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.text(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await state.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
         check_model(body.model)
         params = body.params(default_max_tokens)
-        constraint = await state.constraint(body.output_constraint())
+        schema = body.output_constraint()
+        state.check_request(params, schema)
+        constraint = await state.constraint(schema)
         echo = getattr(body, "echo", False)
         if isinstance(prompt, str):
             if len(prompt) > state.max_prompt_chars:
@@ -562,7 +740,7 @@ def create_app(engine: LLMEngine, model_name: str, max_queue: int = 256, default
         request_id, waiter = state.add(prompt, params, constraint)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        n_prompt = state.num_prompt_tokens(request_id)
+        n_prompt = waiter.prompt_tokens
         wanted = params.logprobs is not None
 
         def logprobs_of(out: RequestOutput, first: int, offset: int) -> dict | None:
@@ -678,18 +856,28 @@ def _sse(request_id: str, kind: str, created: int, model: str, choice: dict) -> 
 
 def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: str | None = None,
                  speculative_model: str | None = None, num_speculative_tokens: int | None = None,
-                 enforce_eager: bool = False, **engine_kwargs: Any) -> LLMEngine:
+                 enforce_eager: bool = False, disaggregate: bool = False,
+                 **engine_kwargs: Any) -> LLMEngine | DisaggregatedEngine:
     """The engine `minillm serve` runs, from its flags: `model` (a shipped name or a folder) in `dtype` ("auto":
     fp32 on a CPU, the checkpoint's dtype on a GPU), quantised by `quant` (chapter 06); speculative decoding with
     `speculative_model` (a model of the same vocabulary, or "[ngram]" for prompt lookup, chapter 07) and
     `num_speculative_tokens` drafts a step; `enforce_eager` turns CUDA graphs off; the rest goes to
-    `LLMEngine` (block_size, enable_prefix_caching, kv_cache_memory_bytes, ...). Impossible combinations raise
-    a ValueError that says why, before anything is served."""
+    `LLMEngine` (block_size, enable_prefix_caching, kv_cache_memory_bytes, ...). With `disaggregate`, a
+    `DisaggregatedEngine` (chapter 08) whose prefill and decode workers both get those engine settings.
+    Impossible combinations raise a ValueError that says why, before anything is served."""
     from minillm.checkpoints import load
 
     if num_speculative_tokens is not None and speculative_model is None:
         raise ValueError("--num-speculative-tokens needs --speculative-model (a draft model, or [ngram]).")
+    if disaggregate:
+        check_disaggregate(device, quant, speculative_model, engine_kwargs)
     llm, tokenizer = load(model, device=device, dtype=None if dtype == "auto" else dtype)
+    if disaggregate:  # tensor_parallel_size and kv_cache_dtype are checked to be the defaults
+        from minillm.disagg import DisaggregatedEngine
+
+        worker = {k: v for k, v in engine_kwargs.items() if k not in ("tensor_parallel_size", "kv_cache_dtype")}
+        worker |= {"cuda_graphs": False} if enforce_eager else {}
+        return DisaggregatedEngine(llm, tokenizer, prefill=worker, decode=dict(worker))
     if quant:
         from minillm.quant import quantize_by_name
 
@@ -705,6 +893,28 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
         speculative = SpeculativeConfig(drafter, k)
     cuda_graphs = False if enforce_eager else None
     return LLMEngine(llm, tokenizer, speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs)
+
+
+def check_disaggregate(device: str, quant: str | None, speculative_model: str | None, engine_kwargs: dict) -> None:
+    """Refuse (one ValueError) the flags `--disaggregate` cannot honour: each worker runs a plain `LLMEngine` that
+    rebuilds the model from its weights, and on CUDA the two workers need a GPU each."""
+    refused = {
+        "speculative decoding (--speculative-model)": speculative_model is not None,
+        "quantised weights (--quant)": quant is not None,
+        "tensor parallelism (--tensor-parallel-size > 1)": engine_kwargs.get("tensor_parallel_size", 1) != 1,
+        f"a quantised KV cache (--kv-cache-dtype {engine_kwargs.get('kv_cache_dtype')})":
+            engine_kwargs.get("kv_cache_dtype", "auto") != "auto",
+    }
+    bad = [what for what, asked in refused.items() if asked]
+    if bad:
+        raise ValueError(f"--disaggregate runs a plain engine in each of its two workers, without {' or '.join(bad)}: "
+                         f"drop {'it' if len(bad) == 1 else 'them'}, or serve without --disaggregate.")
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise ValueError(f"--disaggregate on CUDA needs two GPUs (prefill on cuda:0, decode on cuda:1), and "
+                             f"PyTorch sees {torch.cuda.device_count()}: serve without it, or with --device cpu.")
 
 
 def is_loopback(host: str) -> bool:
@@ -728,15 +938,20 @@ def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8
     import uvicorn
 
     engine = build_engine(model, **engine_options)
-    name = served_model_name or str(model).rstrip("/").split("/")[-1]
-    app = create_app(engine, name, max_queue, api_key=api_key, metrics_require_api_key=metrics_require_api_key,
-                     max_body_bytes=max_body_bytes)
-    if api_key is None and not is_loopback(host):
-        log.warning(
-            "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
-            "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
-    # On SIGTERM, open streams get shutdown_timeout seconds to finish; then the server stops anyway.
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout)
+    try:
+        name = served_model_name or str(model).rstrip("/").split("/")[-1]
+        app = create_app(engine, name, max_queue, api_key=api_key, metrics_require_api_key=metrics_require_api_key,
+                         max_body_bytes=max_body_bytes)
+        if api_key is None and not is_loopback(host):
+            log.warning(
+                "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
+                "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
+        # On SIGTERM, open streams get shutdown_timeout seconds to finish; then the server stops anyway.
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout)
+    finally:
+        # The app's shutdown stops the engine's workers (after it uvicorn raises a SIGTERM again, so no code runs
+        # here then); this stops them when the server never started (a port in use, an empty API key).
+        engine.shutdown()
 
 
 @contextlib.contextmanager
