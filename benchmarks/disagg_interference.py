@@ -226,6 +226,8 @@ def main() -> None:
     parser.add_argument("--long-frac", type=float, default=0.25)
     parser.add_argument("--budget", type=int, default=None,
                         help="chunked prefill's token budget per step (default 64 on the CPU, 512 on GPUs)")
+    parser.add_argument("--configs", nargs="+", default=["colocated", "colocated_chunked", "two_replicas",
+                                                          "disaggregated"], help="which configurations to run")
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.device_count() >= 2
@@ -268,7 +270,7 @@ def main() -> None:
           f"SLOs: TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.1f} ms; rate {rate}/s", flush=True)
 
     configs = {}
-    for name in ("colocated", "colocated_chunked", "two_replicas", "disaggregated"):
+    for name in args.configs:
         if name == "colocated":
             eng, kw, n = LLMEngine(model, None, **base, max_num_batched_tokens=budget_all,
                                    enable_chunked_prefill=False), {}, 1

@@ -137,6 +137,10 @@ def _start_worker(rank: int, init_method: str, device: str, config: Any, state: 
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method, rank=rank,
                             world_size=2, timeout=timedelta(minutes=10))
+    # NCCL creates the pair's communicator at its first send/recv, blocking until both ranks are in it: do it now,
+    # while both are starting, not at the first hand-off (where D would wait in irecv before saying "ready").
+    probe = torch.zeros(1, device=device)
+    dist.send(probe, dst=DECODE) if rank == PREFILL else dist.recv(probe, src=PREFILL)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to(dtype).to_empty(device=device)

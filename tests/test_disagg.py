@@ -104,3 +104,25 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_refuses_new_ones(sh
             engine.add_request(None, PROMPTS[1], GREEDY)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL, one per worker)")
+def test_two_gpus_over_nccl_give_one_gpu_tokens() -> None:
+    import torch
+
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256,
+                                    max_seq_len=256)).cuda().eval()
+    prompts = [[3, 17, 9, 44, 5] * 8, [8, 2, 99, 31, 64, 12, 7]]
+    expected = LLM(model).generate(prompts, GREEDY, use_tqdm=False)
+    engine = DisaggregatedEngine(model)
+    try:
+        got = engine.generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert all(engine.transfers[o.request_id].nbytes == kv_cache_bytes(model.config, len(p), dtype_bytes=4)
+                   for o, p in zip(got, prompts))
+    finally:
+        engine.shutdown()
