@@ -40,7 +40,7 @@ from common import write_results
 import minillm
 from minillm.disagg import DisaggregatedEngine
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
-from minillm.parallel.rendezvous import free_port
+from minillm.parallel.workers import free_port
 from minillm.sampling import SamplingParams
 
 

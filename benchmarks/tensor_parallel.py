@@ -33,7 +33,7 @@ from minillm.engine import LLMEngine
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
-from minillm.parallel.rendezvous import free_port
+from minillm.parallel.workers import free_port
 from minillm.sampling import SamplingParams
 
 

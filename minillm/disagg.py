@@ -67,7 +67,7 @@ from minillm.engine.llm_engine import LLMEngine, RequestOutput
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import prepare_prompt
 from minillm.model import Transformer
-from minillm.parallel.rendezvous import free_port
+from minillm.parallel.workers import free_port, stop_workers
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -469,14 +469,5 @@ class DisaggregatedEngine:
 
     def shutdown(self) -> None:
         """Stop both workers (idempotent)."""
-        for inbox in self.inboxes:
-            try:
-                inbox.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for process in self.processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        stop_workers(self.inboxes, self.processes)
         self.processes = [p for p in self.processes if p.is_alive()]

@@ -76,7 +76,7 @@ from torch import nn
 from minillm.config import ModelConfig
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer, attention_mask
-from minillm.parallel.rendezvous import free_port
+from minillm.parallel.workers import free_port
 
 SCHEDULES = ("ring", "gpipe")
 

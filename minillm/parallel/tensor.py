@@ -46,7 +46,7 @@ from torch import nn
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache, StepInputs
 from minillm.model import Transformer
-from minillm.parallel.rendezvous import free_port
+from minillm.parallel.workers import free_port, stop_workers
 
 
 class TensorParallelError(RuntimeError):
@@ -358,16 +358,7 @@ class TensorParallel:
     def shutdown(self) -> None:
         """Stop the workers and end the process group (idempotent; also run at exit)."""
         atexit.unregister(self.shutdown)
-        for conn in self.conns:
-            try:
-                conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for process in self.processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        stop_workers(self.conns, self.processes)
         for conn in self.conns:
             conn.close()
         self.processes, self.conns = [], []
