@@ -975,3 +975,75 @@ def test_chapter_07_mistakes_get_hints_that_fit_them():
     assert torch.allclose(get_task("07.residual").reference(torch.tensor([0.5, 0.3, 0.1, 0.1]),
                                                             torch.tensor([0.2, 0.2, 0.4, 0.2])),
                           torch.tensor([0.75, 0.25, 0.0, 0.0]))
+
+
+def test_chapter_08_mistakes_get_hints_that_fit_them():
+    import torch.nn.functional as F
+
+    def partials(kind="right"):
+        def mlp_partials(x, w_gate, w_up, w_down, world):
+            gates, ups = w_gate.chunk(world, 0), w_up.chunk(world, 0)
+            downs = w_down.chunk(world, 0 if kind == "down_rows" else 1)
+            if kind == "strided":
+                gates, ups = [w_gate[r::world] for r in range(world)], [w_up[r::world] for r in range(world)]
+                downs = [w_down[:, r::world] for r in range(world)]
+            out = [(F.silu(x @ g.T) * (x @ u.T)) @ d.T for g, u, d in zip(gates, ups, downs)]
+            if kind == "summed":
+                return sum(out)
+            return [p / world for p in out] if kind == "averaged" else out
+        return mlp_partials
+
+    assert run_task("08.split_mlp", partials()).passed
+    for wrong, words in [(partials("averaged"), "do not divide by world"), (partials("strided"), "CONTIGUOUS"),
+                         (partials("down_rows"), "matching COLUMNS of w_down"), (partials("summed"), "BEFORE")]:
+        result = run_task("08.split_mlp", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert len(failed) == len(result.results) and all(words in r.hint for r in failed), repr(result)
+
+    def transfer(kind="right"):
+        def kv_transfer_s(tokens, layers, heads, head_dim, dtype_bytes, gbit, latency_s=0.0):
+            kv = (1 if kind == "no_values" else 2) * layers * tokens * heads * head_dim * dtype_bytes
+            return kv / (gbit * 1e9 / (1 if kind == "bits_as_bytes" else 8)) + latency_s
+        return kv_transfer_s
+
+    assert run_task("08.kv_transfer", transfer()).passed
+    for wrong, words in [(transfer("no_values"), "keys AND the values"), (transfer("bits_as_bytes"), "giga*bits*")]:
+        result = run_task("08.kv_transfer", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+    assert math.isclose(get_task("08.kv_transfer").reference(8192, 32, 8, 128, 2, 400.0), 0.021474836, rel_tol=1e-6)
+
+    def timeline(period_of):
+        def pipeline_timeline(p, m, steps=1, schedule="gpipe"):
+            period = period_of(p, m, schedule)
+            grid = [[None] * ((steps - 1) * period + m + p - 1) for _ in range(p)]
+            for t in range(steps):
+                for i in range(m):
+                    for s in range(p):
+                        grid[s][t * period + i + s] = i
+            return grid
+        return pipeline_timeline
+
+    assert run_task("08.pipeline_timeline", timeline(lambda p, m, sc: m + p - 1 if sc == "gpipe" else max(m, p))).passed
+    assert get_task("08.pipeline_timeline").reference(2, 2) == [[0, 1, None], [None, 0, 1]]
+    for wrong, words in [(timeline(lambda p, m, sc: max(m, p)), "gpipe drains between steps"),
+                         (timeline(lambda p, m, sc: m + p - 1), "ring does not drain"),
+                         (timeline(lambda p, m, sc: m if sc == "ring" else m + p - 1), "with m < p stage 0 must wait")]:
+        result = run_task("08.pipeline_timeline", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+
+    def take(kind="right"):
+        def can_take(tokens, free, block_size, running, max_seqs, watermark=0):
+            if kind != "no_rows" and running >= max_seqs:
+                return False
+            needed = tokens // block_size if kind == "floor" else -(-tokens // block_size)
+            return needed + (0 if kind == "no_watermark" else watermark) <= free
+        return can_take
+
+    assert run_task("08.can_take", take()).passed
+    for wrong, words in [(take("floor"), "round the blocks UP"), (take("no_watermark"), "keep the watermark free"),
+                         (take("no_rows"), "num_running")]:
+        result = run_task("08.can_take", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
