@@ -36,8 +36,15 @@ and chapter 06 the int4-weight matmul, dequantising in registers (`minillm.quant
     w4a16_matmul(x, weight)                       GEMV for a few rows (decode), tiled GEMM above (prefill)
     w4a16_reference(x, weight)                    dequantise to a full matrix, then matmul
 
+and chapter 08 the batched LoRA matmul, many adapters in one batch (`minillm.lora` calls it on CUDA):
+
+    add_lora(y, x, lora_a, lora_b, slot_ids)      y[n] += B[s] A[s] x[n], s = slot_ids[n]: shrink, then expand
+    add_lora_reference(...)                       the same, one pass per adapter present (needs no Triton)
+    add_lora_gathered(...)                        the same, every row gathering its own matrices (BGMV in PyTorch)
+
 `import minillm.kernels` works on a machine without Triton: the names are then missing (all but
-`gather_kv`), and asking for one raises an ImportError that says so. `minillm.model` reaches for
+`gather_kv` and the LoRA references), and
+asking for one raises an ImportError that says so. `minillm.model` reaches for
 `flash_attention` (prefill) and `decode_attention` (decode) only on CUDA (see
 `minillm.model.use_triton_attention`).
 To run the kernels on a CPU, through Triton's interpreter, set TRITON_INTERPRET=1 before anything
@@ -52,9 +59,11 @@ from __future__ import annotations
 
 import importlib.util
 
+from .lora_reference import add_lora_gathered, add_lora_reference
 from .paged_kv import gather_kv
 
-__all__ = ["attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
+__all__ = ["add_lora", "add_lora_gathered", "add_lora_reference",
+           "attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
            "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
            "gather_kv", "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul",
            "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
@@ -69,6 +78,7 @@ if TRITON_AVAILABLE:
         paged_decode_attention_reference,
     )
     from .flash_attention import attention_reference, flash_attention
+    from .lora import add_lora
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference
     from .swiglu import silu_and_mul, silu_and_mul_reference

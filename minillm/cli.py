@@ -152,8 +152,22 @@ def cmd_book_exercises(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_lora_modules(items: list[str] | None) -> dict[str, str] | None:
+    """--lora-modules NAME=PATH ... as {name: path} (a ValueError for an item without both)."""
+    if not items:
+        return None
+    modules = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules takes NAME=PATH items (e.g. pirate=adapters/pirate), got {item!r}.")
+        modules[name] = path
+    return modules
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     name = model_name(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY")
     with ctrl_c_exits_at_once():  # uvicorn handles SIGINT and SIGTERM itself while it serves (a graceful drain)
         from minillm.server import serve
@@ -166,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
+              tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate,
+              lora_modules=lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     return 0
 
 
@@ -233,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "them (chapter 08; on CUDA a GPU each); the engine flags apply to both workers. Not with "
                           "--speculative-model, --quant, --kv-cache-dtype int8/fp8 or -tp > 1; requests with n or "
                           "best_of > 1 or a response_format get a 400")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters to serve (PEFT folders; chapter 08): a request's model field picks one by "
+                          "NAME; /v1/models lists them")
+    srv.add_argument("--max-loras", type=int, default=4,
+                     help="device slots for LoRA adapters: distinct adapters in one step (default 4)")
+    srv.add_argument("--max-lora-rank", type=int, default=None,
+                     help="the slots' LoRA rank (default: the largest of --lora-modules)")
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                      help="the largest request body accepted; larger ones get 413 (default 16 MiB)")

@@ -14,10 +14,15 @@ endpoints and their shapes follow OpenAI's API, so the official `openai` client 
 that speaks it work unchanged:
 
     GET  /health                 200 "ok" while the engine loop runs
-    GET  /v1/models              the one model served
+    GET  /v1/models              the model served, and its LoRA adapters (each with "parent": the model)
     POST /v1/completions         text completion; "stream": true sends server-sent events
     POST /v1/chat/completions    chat: the tokenizer's chat template if it has one, else CHAT_TEMPLATE
     GET  /metrics                Prometheus text: queue lengths, KV blocks, tokens, TTFT and ITL histograms
+
+LoRA adapters (chapter 08, `minillm serve --lora-modules name=path ...`, as vLLM's flag): a request whose
+`model` field names an adapter runs under it, beside requests of other adapters and of the base model in the
+same steps; an unknown name is a 404 naming the base model and the adapters; a bad adapter file stops the server
+at start-up with one line naming the problem.
 
 Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
@@ -418,13 +423,14 @@ class AsyncEngine:
         return self.constraints[key]
 
     def add(self, prompt: str | list[int], params: SamplingParams,
-            constraint: TokenIndex | None = None) -> tuple[str, _Waiter]:
+            constraint: TokenIndex | None = None, lora: str | None = None) -> tuple[str, _Waiter]:
         if self.engine.num_unfinished_requests >= self.max_queue:
             raise APIError(429, f"the server already holds {self.max_queue} unfinished requests (its queue limit); "
                                 "retry later.", "rate_limit_exceeded", code="queue_full")
         request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
         try:
-            prompt_tokens = self.submit(request_id, prompt, params, constraint)
+            prompt_tokens = (self.submit(request_id, prompt, params, constraint, lora) if lora is not None
+                             else self.submit(request_id, prompt, params, constraint))
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
         waiter = self.waiters[request_id] = _Waiter(asyncio.Queue(), params.best_of or params.n, prompt_tokens)
@@ -433,9 +439,10 @@ class AsyncEngine:
         return request_id, waiter
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               constraint: TokenIndex | None) -> int:
-        """Queue the request in the engine (a ValueError if it cannot take it); returns the prompt's tokens."""
-        self.engine.add_request(request_id, prompt, params, constraint=constraint)
+               constraint: TokenIndex | None, lora: str | None = None) -> int:
+        """Queue the request in the engine (a ValueError if it cannot take it), under LoRA adapter `lora` (None: the
+        base model); returns the prompt's tokens."""
+        self.engine.add_request(request_id, prompt, params, constraint=constraint, lora=lora)
         return len(self.engine.scheduler.sequences[request_id].prompt_token_ids)
 
     def release(self, request_id: str) -> None:
@@ -699,10 +706,17 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
         return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where,
                         code="invalid_value").response()
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist here; this server serves {model_name!r} "
-                                "(see GET /v1/models).", param="model", code="model_not_found")
+    adapters: dict[str, str] = dict(getattr(engine, "lora_modules", {}))  # LoRA adapters by name (chapter 08)
+
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter a request's model field names (None: the base model); a 404 naming what is served."""
+        if name == model_name:
+            return None
+        if name in adapters:
+            return name
+        served = f"{model_name!r}" + (f" and the LoRA adapters {sorted(adapters)}" if adapters else "")
+        raise APIError(404, f"the model {name!r} does not exist here; this server serves {served} "
+                            "(see GET /v1/models).", param="model", code="model_not_found")
 
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # last added: the outermost layer
 
@@ -713,15 +727,17 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
-                                            "max_model_len": engine.model.config.max_seq_len}]}
+        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
+                "max_model_len": engine.model.config.max_seq_len}
+        loras = [base | {"id": name, "root": path, "parent": model_name} for name, path in adapters.items()]
+        return {"object": "list", "data": [base, *loras]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(await state.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
-        check_model(body.model)
+        lora = check_model(body.model)
         params = body.params(default_max_tokens)
         schema = body.output_constraint()
         state.check_request(params, schema)
@@ -737,7 +753,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
                 prompt = await asyncio.to_thread(engine.tokenizer.encode, prompt)
         else:
             prompt_text = engine.tokenizer.decode(prompt) if echo and engine.tokenizer is not None else ""
-        request_id, waiter = state.add(prompt, params, constraint)
+        request_id, waiter = state.add(prompt, params, constraint, lora)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         n_prompt = waiter.prompt_tokens
@@ -772,7 +788,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
                     choice = {"index": i, "text": text, "logprobs": logprobs_of(out, 0, 0)}
                 choices.append(choice | {"finish_reason": out.finish_reason})
             generated = sum(len(out.token_ids) for out in finals)  # all best_of sequences were computed
-            return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices,
+            return {"id": request_id, "object": kind, "created": created, "model": body.model, "choices": choices,
                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": generated,
                               "total_tokens": n_prompt + generated}}
 
@@ -782,10 +798,10 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
             try:
                 for i in range(params.n):  # chat's first chunk names the role, as OpenAI's does; echo's is the prompt
                     if chat:
-                        yield _sse(request_id, chunk_kind, created, model_name,
+                        yield _sse(request_id, chunk_kind, created, body.model,
                                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
                     elif echo:
-                        yield _sse(request_id, chunk_kind, created, model_name,
+                        yield _sse(request_id, chunk_kind, created, body.model,
                                    {"index": i, "text": prompt_text, "logprobs": None, "finish_reason": None})
                 async for out in state.outputs(request_id, waiter, http):  # choice i: the request's sequence i
                     if out.new_text or out.finished or (wanted and out.new_token_ids):
@@ -797,7 +813,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
                             choice |= {"logprobs": lp} if wanted else {}
                         else:
                             choice = {"index": out.index, "text": out.new_text, "logprobs": lp}
-                        yield _sse(request_id, chunk_kind, created, model_name,
+                        yield _sse(request_id, chunk_kind, created, body.model,
                                    choice | {"finish_reason": out.finish_reason if out.finished else None})
                 yield "data: [DONE]\n\n"
             except APIError as exc:  # the engine failed on this request: say so in the stream, then end it
@@ -875,7 +891,8 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
     if disaggregate:  # tensor_parallel_size and kv_cache_dtype are checked to be the defaults
         from minillm.disagg import DisaggregatedEngine
 
-        worker = {k: v for k, v in engine_kwargs.items() if k not in ("tensor_parallel_size", "kv_cache_dtype")}
+        worker = {k: v for k, v in engine_kwargs.items()
+                  if k not in ("tensor_parallel_size", "kv_cache_dtype", "lora_modules", "max_loras", "max_lora_rank")}
         worker |= {"cuda_graphs": False} if enforce_eager else {}
         return DisaggregatedEngine(llm, tokenizer, prefill=worker, decode=dict(worker))
     if quant:
@@ -902,6 +919,7 @@ def check_disaggregate(device: str, quant: str | None, speculative_model: str | 
         "speculative decoding (--speculative-model)": speculative_model is not None,
         "quantised weights (--quant)": quant is not None,
         "tensor parallelism (--tensor-parallel-size > 1)": engine_kwargs.get("tensor_parallel_size", 1) != 1,
+        "LoRA adapters (--lora-modules)": bool(engine_kwargs.get("lora_modules")),
         f"a quantised KV cache (--kv-cache-dtype {engine_kwargs.get('kv_cache_dtype')})":
             engine_kwargs.get("kv_cache_dtype", "auto") != "auto",
     }
@@ -960,7 +978,8 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, e
     """Run `minillm serve` in its own process on a free port of 127.0.0.1; yield its URL once /health answers,
     and stop it (SIGTERM) when the block ends. options: the command's flags, e.g. max_num_seqs=16 for
     --max-num-seqs=16, enforce_eager=True for --enforce-eager, enable_prefix_caching=False for
-    --no-enable-prefix-caching; env: environment variables to add (e.g. MINILLM_API_KEY).
+    --no-enable-prefix-caching, a list for a flag of several values (lora_modules=["a=path"]); env: environment
+    variables to add (e.g. MINILLM_API_KEY).
 
         with serve_in_background("shakespeare-1m", max_num_seqs=16) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -977,7 +996,10 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, e
     flags = []
     for key, value in options.items():
         flag = key.replace("_", "-")
-        flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
+        if isinstance(value, (list, tuple)):  # a flag of several values: lora_modules=["a=path", ...]
+            flags += [f"--{flag}", *map(str, value)]
+        else:
+            flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
     command = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", str(port), *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})

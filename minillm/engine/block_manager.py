@@ -58,11 +58,19 @@ def block_hash(parent_hash: str | None, token_ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
-    """The chain of hashes of the full blocks of `token_ids` (a partial last block has none) (chapter 04)."""
+def lora_root_hash(lora: str | None) -> str | None:
+    """The parent hash of a sequence's first block: None for the base model, sha256 of the LoRA adapter's name
+    otherwise (chapter 08). Every block hash chains from it, so blocks computed under one adapter (their keys and
+    values came out of its projections) are never reused for another adapter or for the base model."""
+    return None if lora is None else hashlib.sha256(b"lora:" + lora.encode()).hexdigest()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: str | None = None) -> list[str]:
+    """The chain of hashes of the full blocks of `token_ids` (a partial last block has none) (chapter 04);
+    `root`: the first block's parent (`lora_root_hash`), None for the base model."""
     hashes: list[str] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        hashes.append(block_hash(hashes[-1] if hashes else root, token_ids[start : start + block_size]))
     return hashes
 
 
@@ -195,13 +203,15 @@ class BlockTable:
 
     block_ids[i] holds positions i * block_size .. (i + 1) * block_size - 1. token_ids are the tokens
     whose keys and values are in the blocks (so num_tokens of them), and block_hashes the prefix-cache
-    names of the full blocks, in order (empty without prefix caching).
+    names of the full blocks, in order (empty without prefix caching). root_hash is the first block's parent
+    hash: None, or its LoRA adapter's (`lora_root_hash`, chapter 08).
     """
 
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
+    root_hash: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -214,4 +224,5 @@ class BlockTable:
 
     def copy(self) -> BlockTable:
         """A table with the same blocks and tokens (the caller updates the blocks' reference counts)."""
-        return BlockTable(self.block_size, list(self.block_ids), list(self.token_ids), list(self.block_hashes))
+        return BlockTable(self.block_size, list(self.block_ids), list(self.token_ids), list(self.block_hashes),
+                          self.root_hash)

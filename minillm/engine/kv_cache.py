@@ -67,6 +67,7 @@ from minillm.engine.block_manager import (
     BlockTable,
     NoFreeBlocksError,
     block_hash,
+    lora_root_hash,
     prefix_block_hashes,
 )
 from minillm.model import PagedDecode, attention_mask, use_triton_attention
@@ -166,19 +167,20 @@ class PagedKVCache:
         return self.block_tables[seq_id]
 
     # ---------------------------------------------------------------- sequences
-    def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] = ()) -> int:
+    def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] = (), lora: str | None = None) -> int:
         """Start sequence `seq_id`; with prefix caching, reuse the cached full blocks its prompt begins with.
 
         Returns how many prompt tokens are already in the cache (a multiple of block_size): run the
         model on prompt_token_ids[returned:] only. At least the last prompt token is always left to
-        compute, since its logits choose the next token.
+        compute, since its logits choose the next token. `lora`: the LoRA adapter the sequence runs under
+        (chapter 08); its blocks are named under it, so only sequences of the same adapter share them.
         """
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} is already in the cache: free it first, or use another id.")
-        table = BlockTable(self.block_size)
+        table = BlockTable(self.block_size, root_hash=lora_root_hash(lora))
         if self.allocator.enable_prefix_caching and prompt_token_ids:
             reusable = list(prompt_token_ids[: (len(prompt_token_ids) - 1) // self.block_size * self.block_size])
-            hashes = prefix_block_hashes(reusable, self.block_size)
+            hashes = prefix_block_hashes(reusable, self.block_size, table.root_hash)
             table.block_ids = self.allocator.match_prefix(hashes)
             table.block_hashes = hashes[: len(table.block_ids)]
             table.token_ids = reusable[: len(table.block_ids) * self.block_size]
@@ -335,7 +337,7 @@ class PagedKVCache:
                 continue
             for i in range(len(table.block_hashes), table.num_tokens // self.block_size):
                 tokens = table.token_ids[i * self.block_size : (i + 1) * self.block_size]
-                table.block_hashes.append(block_hash(table.block_hashes[-1] if i else None, tokens))
+                table.block_hashes.append(block_hash(table.block_hashes[-1] if i else table.root_hash, tokens))
                 self.allocator.cache_block(table.block_ids[i], table.block_hashes[-1])
 
 

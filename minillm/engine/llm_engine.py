@@ -31,7 +31,10 @@ its logits are masked to the tokens the pattern allows at every step.
 With `speculative=SpeculativeConfig(drafter, k)` (chapter 07) the decode rows of a step are a variant
 of it: the drafter proposes up to k tokens per row, one target forward scores them all, the verify
 rule keeps some, and the rejected positions are rolled back in the cache
-(`ModelRunner.speculative_decode`). Beam search (`minillm.beam`) keeps its own loop on the same paged
+(`ModelRunner.speculative_decode`). With LoRA adapters (chapter 08: `lora_modules=`, `add_lora`), each
+request may name one (`add_request(..., lora="name")`): one step mixes rows of different adapters and of
+the base model, the base matmul once for all, each row's low-rank update by the batched LoRA matmul
+(`minillm.lora`). Beam search (`minillm.beam`) keeps its own loop on the same paged
 cache and forward, because its step is a global choice among the beams, not one token sampled per request.
 """
 
@@ -41,6 +44,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -121,6 +125,12 @@ class LLMEngine:
             vLLM's option of the same name): this process is rank 0 and starts the others, on the CPU (gloo) or
             one GPU each (NCCL). Its decode steps run eagerly (no CUDA graphs), without speculation. Call
             `shutdown()` to stop the workers (they also stop when this process exits).
+        lora_modules: LoRA adapters to serve, {name: PEFT folder (or a `minillm.lora.LoRAAdapter`)}, checked now
+            (a ValueError names a bad one); more with `add_lora`. A request picks one by name (chapter 08).
+        max_loras: device slots for adapters (vLLM's option of the same name): at most this many distinct adapters
+            run in one step; others wait for a slot (loaded on demand, least recently used evicted).
+        max_lora_rank: the slots' rank (smaller adapters are padded with zeros); default: the largest rank of
+            lora_modules, or 16 (vLLM's default) when adapters only come later through `add_lora`.
     """
 
     def __init__(
@@ -139,6 +149,9 @@ class LLMEngine:
         kv_cache_memory_bytes: float | None = None,
         compile_decode: bool = False,
         tensor_parallel_size: int = 1,
+        lora_modules: dict[str, str | Path | object] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.tp = None
         if tensor_parallel_size != 1:
@@ -181,6 +194,15 @@ class LLMEngine:
         self.on_finish: Callable[[Seq], None] | None = None
         self.reserved: set[str] = set()  # requests whose KV another engine is sending (`reserve_prefilled`)
         self._ids = itertools.count()
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.lora_slots = None  # minillm.lora.LoRASlots, made at the first adapter (`add_lora`)
+        self.lora_modules: dict[str, str] = {}  # each adapter's name -> where it came from (a folder)
+        adapters = {name: self._read_adapter(name, source) for name, source in (lora_modules or {}).items()}
+        if adapters and max_lora_rank is None:
+            self.max_lora_rank = max(a.rank for a in adapters.values())
+        for name, adapter in adapters.items():
+            source = (lora_modules or {})[name]
+            self.add_lora(name, adapter, str(source) if isinstance(source, (str, Path)) else None)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -213,16 +235,53 @@ class LLMEngine:
                    max_num_batched_tokens=max(prompt_len, best_of), enable_prefix_caching=False,
                    speculative=speculative, kv_cache_dtype=kv_cache_dtype, compile_decode=compile_decode)
 
+    # ------------------------------------------------------------------ LoRA adapters (chapter 08)
+    def _read_adapter(self, name: str, source: object) -> object:
+        """A `LoRAAdapter` from a PEFT folder (checked against the model: a ValueError naming the problem), or as
+        given."""
+        from minillm.lora import LoRAAdapter, load_adapter
+
+        if isinstance(source, LoRAAdapter):
+            return source
+        try:
+            return load_adapter(source, self.model.config)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    def add_lora(self, name: str, adapter: str | Path | object, source: str | None = None) -> None:
+        """Serve a LoRA adapter as `name`: a PEFT folder or a `minillm.lora.LoRAAdapter` (chapter 08). It stays in
+        host memory until a request names it; then the scheduler loads it into one of `max_loras` device slots.
+        The first adapter wraps the model's projections in `minillm.lora.LoRALinear` (base rows run as before)."""
+        from minillm.lora import LoRASlots, attach_lora
+
+        if self.tp is not None or self.speculative is not None:
+            raise ValueError("LoRA adapters are served by the one-process engine without speculative decoding: "
+                             "drop tensor_parallel_size / speculative, or the adapters.")
+        adapter = self._read_adapter(name, adapter)
+        if self.lora_slots is None:
+            rank = self.max_lora_rank or max(16, adapter.rank)
+            self.lora_slots = LoRASlots(self.model, self.max_loras, rank)
+            attach_lora(self.model, self.lora_slots)
+            self.scheduler.lora_slots = self.model_runner.lora = self.lora_slots
+        self.lora_slots.register(name, adapter)
+        self.lora_modules[name] = source or (str(adapter) if isinstance(adapter, (str, Path)) else name)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, constraint: TokenIndex | None = None) -> str:
-        """Queue a request; returns its id (a fresh one if request_id is None).
+                    arrival_time: float | None = None, constraint: TokenIndex | None = None,
+                    lora: str | None = None) -> str:
+        """Queue a request; returns its id (a fresh one if request_id is None). `lora`: the name of a LoRA adapter
+        to run it under (`add_lora`; chapter 08), None for the base model.
 
         Checked now, with a ValueError that says what to change: an empty prompt, ids outside the
         vocabulary, prompt + max_tokens beyond the model's context or the cache, stop strings without a
-        tokenizer, a request id in use; under a constraint, stop strings or ignore_eos (the pattern
-        decides where the output ends).
+        tokenizer, a request id in use, an unknown adapter; under a constraint, stop strings or ignore_eos
+        (the pattern decides where the output ends).
         """
+        if lora is not None and lora not in self.lora_modules:
+            known = sorted(self.lora_modules) or "none"
+            raise ValueError(f"unknown LoRA adapter {lora!r}; this engine serves {known}: register it with "
+                             "lora_modules= (--lora-modules) or add_lora.")
         params = params or SamplingParams()
         ids = prepare_prompt(self.model, prompt, params, self.tokenizer)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -236,6 +295,7 @@ class LLMEngine:
             if constraint.is_finished(constraint.start):
                 raise ValueError("the constraint allows only the empty string: there is nothing to generate.")
         seq = self._new_sequence(request_id, ids, params, arrival_time)
+        seq.lora = lora
         if constraint is not None:  # everything that can fail comes before the scheduler takes the sequence
             seq.constraint = Constraint(constraint, masks_for(constraint, self.model.config.vocab_size,
                                                               self.model.device))
@@ -375,7 +435,8 @@ class LLMEngine:
         completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
         seqs = [s for s, _ in scheduled]
         chunks = [s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
-        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks)  # [B, V]: each row's last new token
+        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks,  # [B, V]: each row's last new token
+                                           [s.lora for s in seqs] if self.lora_slots is not None else None)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         rows, which = [], []
@@ -465,18 +526,23 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """The finished `RequestOutput`s, prompt by prompt in the prompts' order: params.n of them per prompt
         (one unless n > 1; then the n best of best_of by cumulative log-probability). params: one for all, or
-        one per prompt."""
+        one per prompt. lora: the LoRA adapter (a name given in `lora_modules`) for all, or one per prompt (None:
+        the base model; chapter 08)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: pass one, or one each.")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA names for {len(prompts)} prompts: pass one, or one each.")
         engine = self.engine
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        ids = [engine.add_request(None, p, sp, lora=name) for p, sp, name in zip(prompts, params, loras)]
         finished = engine.run(use_tqdm, total=len(ids))
         outputs = []
         for request_id, sp in zip(ids, params):

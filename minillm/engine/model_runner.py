@@ -4,9 +4,11 @@ The engine's step is schedule -> run -> postprocess. This module is the middle: 
 run and their new tokens, it makes the step's inputs (`PagedKVCache.prepare`, or the CUDA graphs'
 buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and turns logits into tokens:
 
-    forward(seq_ids, token_ids)    the logits of each row's last new token, [B, vocab]:
+    forward(seq_ids, token_ids, loras)
+                                   the logits of each row's last new token, [B, vocab]:
                                    decode rows (one new token) as one batch, replayed as a CUDA graph
-                                   where one was captured, prompt chunks as another batch, eager
+                                   where one was captured, prompt chunks as another batch, eager;
+                                   each row under its LoRA adapter (or none), chapter 08
     sample(seqs, logits)           one token per row, each with its own params, generator and constraint
     speculative_decode(seqs, ...)  chapter 07's step variant: draft, verify in one forward, roll back
 
@@ -73,6 +75,10 @@ class ModelRunner:
             the first decode step (seconds), then faster every step.
         tp: a `minillm.parallel.tensor.TensorParallel` group whose rank 0 this is (`model` is then rank 0's
             shard): every forward runs on all its ranks through `TensorParallel.forward` (chapter 08).
+
+    `lora`, set by `LLMEngine.add_lora`: the `minillm.lora.LoRASlots` of the model's `LoRALinear` layers, or None.
+    A forward whose rows name adapters runs under `lora.rows(...)`, eagerly: CUDA graphs (and the compiled CPU
+    decode step) were captured without LoRA, so they replay only steps whose rows all run the base model.
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
@@ -89,10 +95,13 @@ class ModelRunner:
         self.compile_decode = compile_decode
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # captured (or compiled) at the first decode step
+        self.lora: Any = None  # the LoRASlots of the model's LoRALinear layers (chapter 08), once an adapter is added
 
     # ------------------------------------------------------------------ running the model
-    def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds.
+    def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+                loras: Sequence[str | None] | None = None) -> torch.Tensor:
+        """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds,
+        under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08).
 
         The model takes a rectangular batch [B, T], so rows shorter than the longest are padded, and padding
         costs as much compute as a token. A 512-token prompt chunk beside 40 decodes would make 41 x 512
@@ -108,7 +117,11 @@ class ModelRunner:
             if not group:
                 continue
             ids = [seq_ids[i] for i in group]
-            if group is decodes and self._decode_graphs() is not None:
+            names = [loras[i] for i in group] if loras is not None else []
+            if any(name is not None for name in names):  # LoRA rows: eager, each row's slot set for this forward
+                with self.lora.rows(names):
+                    rows = self.paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
+            elif group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [token_ids[i][0] for i in group])
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])

@@ -10,7 +10,10 @@ budgets, per step:
   every decode behind it. A prompt longer than what is left is cut into chunks that run in
   successive steps (chunked prefill), each next to the running sequences' decode tokens;
 * the KV cache's free blocks (chapter 04): a sequence is admitted only if its next chunk's blocks can
-  be allocated, keeping a small reserve (`watermark`) for the running sequences' next decode tokens.
+  be allocated, keeping a small reserve (`watermark`) for the running sequences' next decode tokens;
+* with LoRA adapters (chapter 08), the device slots: a sequence under an adapter is admitted only if its
+  adapter is in a slot or can be loaded into one (`minillm.lora.LoRASlots.acquire`); a running sequence
+  pins its adapter's slot until it finishes or is preempted, so that slot is never evicted under it.
 
 The policy, first come first served, as vLLM's (v1) scheduler:
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from minillm.arithmetic import cdiv
 from minillm.engine.block_manager import NoFreeBlocksError
@@ -51,7 +55,8 @@ class SchedulerOutput:
                   are live objects: read their state now, or use the fields below, fixed at this step)
     preempted:    the ids of sequences preempted in this step (freed, back to the waiting queue)
     waiting:      {seq_id: why it did not run}: "token budget", "no free blocks", "max_num_seqs",
-                  or "behind <id>" (first come first served: it waits for the sequence before it)
+                  "no free LoRA slot", or "behind <id>" (first come first served: it waits for the
+                  sequence before it)
     """
 
     step: int
@@ -81,6 +86,8 @@ class Scheduler:
             the budget itself is refused by `add`).
         watermark: the fraction of the pool that admission leaves free for running sequences' decode
             tokens, so that a new sequence does not cause a preemption at the next step (vLLM: 0.01).
+        lora_slots: the `minillm.lora.LoRASlots` that sequences with a `lora` pin while they run (chapter 08);
+            may be set later (`LLMEngine.add_lora`).
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
+        lora_slots: Any = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
@@ -104,6 +112,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         self.sequences: dict[Hashable, Sequence] = {}  # every unfinished sequence by seq_id
         self.steps = 0
+        self.lora_slots = lora_slots
 
     # ------------------------------------------------------------------ sequences
     def add(self, seq: Sequence) -> None:
@@ -137,6 +146,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
+            self._release_lora(seq)
         else:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -159,6 +169,8 @@ class Scheduler:
             raise ValueError(f"sequence id {child_id!r} is already in use.")
         if parent.status is not SequenceStatus.RUNNING:
             raise ValueError(f"only a running sequence can be forked; {parent.seq_id!r} is {parent.status.value}.")
+        if child.lora is not None:
+            self.lora_slots.acquire(child.lora)  # resident and pinned by the parent: always succeeds
         child.status = SequenceStatus.RUNNING
         self.cache.fork(parent.seq_id, child_id)
         self.sequences[child_id] = child
@@ -240,16 +252,21 @@ class Scheduler:
             return "max_num_seqs"
         if budget == 0:
             return "token budget"
-        # Its blocks: the cached prefix (prefix caching), then blocks for the first chunk.
-        seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.all_token_ids)
+        # Its adapter's slot (chapter 08): loaded now if it is not resident, unless every slot is pinned.
+        if seq.lora is not None and not self.lora_slots.acquire(seq.lora):
+            return "no free LoRA slot"
+        # Its blocks: the cached prefix (prefix caching, under its adapter), then blocks for the first chunk.
+        seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.all_token_ids, seq.lora)
         n = min(seq.num_uncomputed_tokens, budget)
+        reason = None
         if not self.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
-            self.cache.free(seq.seq_id)
-            return "token budget"
-        needed = self.cache.blocks_needed([seq.seq_id], [n])
-        if needed + self.watermark_blocks > self.cache.allocator.num_free_blocks:
+            reason = "token budget"
+        elif self.cache.blocks_needed([seq.seq_id], [n]) + self.watermark_blocks > self.cache.allocator.num_free_blocks:
+            reason = "no free blocks"
+        if reason is not None:
             self.cache.free(seq.seq_id)  # let go of the cached prefix blocks it took
-            return "no free blocks"
+            self._release_lora(seq)
+            return reason
         self.cache.allocate_slots([seq.seq_id], [n])
         self.waiting.remove(seq)
         self.running.append(seq)
@@ -260,7 +277,13 @@ class Scheduler:
         """Free a running sequence's blocks and put it at the head of the queue, to be recomputed."""
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
+        self._release_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        """The sequence leaves the running batch: it no longer pins its adapter's slot."""
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora)

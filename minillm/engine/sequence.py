@@ -122,6 +122,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list, repr=False)
     text: str = ""
     cumulative_logprob: float = 0.0  # the sum of `logprobs` (best_of keeps the n highest), kept as they come
+    lora: str | None = None  # the LoRA adapter it runs under (chapter 08), None for the base model
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -165,7 +166,8 @@ class Sequence:
                         generator=generator,
                         detokenizer=(IncrementalDecoder(self.detokenizer.tokenizer, self.prompt_token_ids)
                                      if self.detokenizer is not None else None),
-                        eos_token_ids=self.eos_token_ids, constraint=self.constraint, dfa_state=self.dfa_state)
+                        eos_token_ids=self.eos_token_ids, constraint=self.constraint, dfa_state=self.dfa_state,
+                        lora=self.lora)
 
     def append_token(self, token_id: int, logprob: float, top: dict[int, float], now: float) -> None:
         """Add one sampled token, with its log-probability, top alternatives and the time (perf_counter) it

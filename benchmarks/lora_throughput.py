@@ -1,0 +1,158 @@
+"""Many LoRA adapters in one batch: what they cost against the base model and a merged adapter (chapter 08, issue 32).
+
+The model: the shipped model (fp32 on a CPU, bf16 on a GPU). The adapters: random, rank 16, on all seven
+projections (q, k, v, o, gate, up, down), so each is the most expensive kind. Measured:
+
+1. Engine throughput (`LLM.generate`, greedy, every request generating exactly its max_tokens) for a batch of
+   `--batch` requests: the base model alone; one adapter merged into the weights; and unmerged with 1, 4, 16
+   and 64 distinct adapters spread over the batch (max_loras = that number, so no request waits for a slot).
+2. The batched LoRA op on one layer's qkv_proj for `--batch` token rows: the per-adapter loop (the engine's
+   PyTorch path), every row gathering its own matrices (BGMV in PyTorch), the Triton kernel (CUDA only), and
+   the base matmul it rides on.
+3. The cost of loading one adapter into a slot (host -> device), and slot thrashing: 16 adapters in the batch
+   with 4 slots, where requests wait for slots and adapters are evicted and loaded again, against 16 slots.
+
+On a 2-core CPU the batch is 64 with 24-token prompts and 24 new tokens (a few seconds per run); on a GPU the
+defaults are larger. Writes results/lora_throughput_{cpu,cuda}.json.
+
+    python benchmarks/lora_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import write_results
+from minillm.kernels import add_lora_gathered, add_lora_reference
+
+import minillm
+from minillm.config import ModelConfig
+from minillm.engine import LLM
+from minillm.lora import LoRAAdapter, LoRASlots, merge_adapter, target_rows, unmerge_adapter
+from minillm.sampling import SamplingParams
+
+
+def random_adapter(config: ModelConfig, seed: int, rank: int) -> LoRAAdapter:
+    """A random rank-`rank` adapter on all seven projections."""
+    g = torch.Generator().manual_seed(seed)
+    rows = target_rows(config)
+    weights = {(layer, t): (0.02 * torch.randn(rank, d_in, generator=g), 0.02 * torch.randn(n, rank, generator=g))
+               for layer in range(config.n_layers) for t, (_, _, n, d_in) in rows.items()}
+    return LoRAAdapter(rank, 2.0 * rank, weights)
+
+
+def timed(fn, repeats: int) -> float:  # noqa: ANN001 - any callable
+    """Median seconds of fn() over `repeats` runs, after one warm-up (synchronising on CUDA)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def engine_throughput(model, tokenizer, adapters: dict, distinct: int | None, args, max_loras: int | None = None,
+                      merged: bool = False) -> dict:  # noqa: ANN001
+    """Output tokens / s of one batch; distinct: how many adapters the batch's requests cycle through (None: base)."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    prompts = [[(7 * i + j) % 4000 + 2 for j in range(args.prompt_len)] for i in range(args.batch)]
+    if merged:
+        merge_adapter(model, adapters["lora0"])
+    modules = {} if distinct is None else {f"lora{i}": adapters[f"lora{i}"] for i in range(distinct)}
+    blocks = args.batch * (-(-(args.prompt_len + args.new_tokens) // 16) + 1)  # what the batch needs, not more
+    llm = LLM(model, tokenizer, num_blocks=blocks, max_num_seqs=args.batch,
+              max_num_batched_tokens=args.batch * args.prompt_len,
+              lora_modules=modules or None, max_loras=max_loras or max(distinct or 1, 1))
+    loras = None if distinct is None else [f"lora{i % distinct}" for i in range(args.batch)]
+    llm.generate(prompts[:2], params, use_tqdm=False, lora=None if loras is None else loras[:2])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
+    seconds = time.perf_counter() - start
+    if merged:
+        unmerge_adapter(model, adapters["lora0"])
+    tokens = sum(len(o.token_ids) for o in outs)
+    slots = llm.engine.lora_slots
+    return {"seconds": round(seconds, 3), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 1),
+            "slot_loads": slots.loads if slots else 0, "evictions": slots.evictions if slots else 0}
+
+
+def op_times(model, adapters: dict, args) -> dict:  # noqa: ANN001
+    """The batched LoRA op on layer 0's qkv_proj (q, k, v updates) for `batch` rows, by distinct adapters."""
+    device, dtype = model.device, model.dtype
+    slots = LoRASlots(model, 64, args.rank)
+    for name, adapter in adapters.items():
+        slots.register(name, adapter)
+        slots.acquire(name)
+    x = torch.randn(args.batch, model.config.dim, device=device, dtype=dtype)
+    base = model.layers[0].self_attn.qkv_proj
+    y = base(x)
+    q_rows = target_rows(model.config)["q_proj"]
+    a, b = slots.lora_a[0, "q_proj"], slots.lora_b[0, "q_proj"]
+    out: dict = {"base_matmul_qkv_ms": round(1e3 * timed(lambda: base(x), args.repeats), 4), "by_distinct": {}}
+    kernels = {"per_adapter_loop_ms": add_lora_reference, "bgmv_gathered_ms": add_lora_gathered}
+    if device.type == "cuda":
+        from minillm.kernels import add_lora
+
+        kernels["triton_kernel_ms"] = add_lora
+    q = y[:, : q_rows[2]]  # q's columns of the qkv output
+    for distinct in (1, 4, 16, 64):
+        ids = torch.arange(args.batch, device=device) % distinct
+        out["by_distinct"][distinct] = {
+            name: round(1e3 * timed(lambda f=fn, i=ids: f(q, x, a, b, i), args.repeats), 4)
+            for name, fn in kernels.items()}
+    out["note"] = f"one target (q_proj's slice of qkv_proj, rank {args.rank}); the engine runs 7 a layer"
+    return out
+
+
+def load_cost(model, adapters: dict, args) -> dict:  # noqa: ANN001
+    """Seconds to copy one adapter from host memory into a device slot, and its bytes."""
+    slots = LoRASlots(model, 1, args.rank)
+    slots.register("a", adapters["lora0"])
+    seconds = timed(lambda: slots._load("a", 0), args.repeats)
+    nbytes = sum(t.numel() * model.dtype.itemsize for pair in adapters["lora0"].weights.values() for t in pair)
+    return {"load_ms": round(1e3 * seconds, 3), "adapter_bytes": nbytes, "slot_bytes_all_slots": slots.nbytes,
+            "GB_per_s": round(nbytes / seconds / 1e9, 3)}
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128 if cuda else 24)
+    parser.add_argument("--new-tokens", type=int, default=128 if cuda else 24)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = "cuda" if cuda else "cpu"
+    model, tokenizer = minillm.load(minillm.DEFAULT_MODEL, device=device,
+                                    dtype=torch.bfloat16 if cuda else torch.float32)
+    adapters = {f"lora{i}": random_adapter(model.config, i, args.rank) for i in range(64)}
+    results: dict = {"model": minillm.DEFAULT_MODEL, "dtype": str(model.dtype), "device": device,
+                     "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "rank": args.rank, "targets": "q,k,v,o,gate,up,down"}
+    throughput = {"base": engine_throughput(model, tokenizer, adapters, None, args),
+                  "merged_1": engine_throughput(model, tokenizer, adapters, None, args, merged=True)}
+    for distinct in (1, 4, 16, 64):
+        throughput[f"unmerged_{distinct}"] = engine_throughput(model, tokenizer, adapters, distinct, args)
+        print(f"unmerged, {distinct} adapters: {throughput[f'unmerged_{distinct}']}", flush=True)
+    throughput["thrash_16_adapters_4_slots"] = engine_throughput(model, tokenizer, adapters, 16, args, max_loras=4)
+    results["throughput"] = throughput
+    results["op"] = op_times(model, adapters, args)
+    results["adapter_load"] = load_cost(model, adapters, args)
+    for name, row in throughput.items():
+        print(f"{name:28s} {row['tok_per_s']:>9.1f} tok/s  loads {row['slot_loads']:>3d}  evictions {row['evictions']}")
+    print(results["op"])
+    print(results["adapter_load"])
+    print("wrote", write_results(f"lora_throughput_{'cuda' if cuda else 'cpu'}", results))
+
+
+if __name__ == "__main__":
+    main()
