@@ -17,7 +17,8 @@ set from this machine's own speed (a multiple of an idle long prefill and of an 
 numbers mean the same on any machine; they are in the results file.
 
 Then the KV transfer alone: one request per prompt length through the disaggregated pair, the bytes sent
-(= chapter 02's KV size), the seconds from "ready" to landed, the GB/s, and its share of that request's TTFT;
+(= chapter 02's KV size), the seconds from "ready" until the decode worker took the KV (`seconds`, with its share
+of that request's TTFT) and until the transfer itself completed (`landed_s`), and the GB/s of each;
 against the link's peak measured with one large `send` between two processes.
 
     python benchmarks/disagg_interference.py       # CPU: shipped model, one core per process
@@ -301,7 +302,8 @@ def main() -> None:
         t = eng.transfers[out.request_id]
         transfers.append({"prompt_tokens": length, "bytes": t.nbytes, "seconds": t.seconds,
                           "gb_s": t.nbytes / t.seconds / 1e9, "ttft_s": out.token_times_s[0],
-                          "share_of_ttft": t.seconds / out.token_times_s[0]})
+                          "share_of_ttft": t.seconds / out.token_times_s[0], "landed_s": t.landed_s,
+                          "landed_gb_s": t.nbytes / t.landed_s / 1e9})
         print(transfers[-1], flush=True)
     eng.shutdown()
     peak = link_gb_s(64 * 2**20, cuda)

@@ -110,19 +110,39 @@ class Offer:
 
 @dataclasses.dataclass
 class Transfer:
-    """What one request's KV hand-off cost, as D measured it: bytes, and seconds from "ready" to landed."""
+    """What one request's KV hand-off cost, as D measured it, from the moment it said "ready": `landed_s` until the
+    transfer completed (the link and the two sides' transport), `seconds` until D's loop took it, which adds the
+    wait for D's step in progress (what the request's TTFT pays)."""
 
     nbytes: int
     seconds: float
     prompt_tokens: int
+    landed_s: float
 
 
-def landed(work: Any) -> threading.Event:
-    """An event set when a torch.distributed `isend`/`irecv` has completed. gloo's `Work.is_completed()` only
-    turns true after `wait()`, so a thread waits (the transfer itself runs in gloo's or NCCL's own threads)."""
-    event = threading.Event()
-    threading.Thread(target=lambda: (work.wait(), event.set()), daemon=True).start()
-    return event
+class Landed:
+    """Whether a torch.distributed `isend`/`irecv` has completed (`is_set()`), and when (`at`, perf_counter).
+
+    A thread watches it, so that neither worker's loop waits: gloo's `Work.is_completed()` turns true only after
+    `wait()`, so the thread waits; NCCL's `wait()` only orders the current CUDA stream after the transfer, so the
+    thread polls `is_completed()` instead. The bytes move in gloo's or NCCL's own threads either way."""
+
+    def __init__(self, work: Any) -> None:
+        self.at: float | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, args=(work,), daemon=True).start()
+
+    def _watch(self, work: Any) -> None:
+        if dist.get_backend() == "nccl":
+            while not work.is_completed():
+                time.sleep(20e-6)
+        else:
+            work.wait()
+        self.at = time.perf_counter()
+        self._done.set()
+
+    def is_set(self) -> bool:
+        return self._done.is_set()
 
 
 # ---------------------------------------------------------------------------- the workers
@@ -172,7 +192,7 @@ def _prefill_worker(init_method: str, device: str, config: Any, state: dict, dty
         del state
         params_of: dict[str, SamplingParams] = {}  # each request's own params (its engine runs max_tokens=1)
         staged: dict[str, torch.Tensor] = {}  # offered, waiting for D's "ready" (or "drop")
-        sending: list[tuple[threading.Event, torch.Tensor]] = []  # isends in flight, and the tensors they read
+        sending: list[tuple[Landed, torch.Tensor]] = []  # isends in flight, and the tensors they read
 
         def offer(seq: Seq) -> None:  # the engine calls it as the prompt finishes, before freeing its blocks
             kv = read_kv(engine.cache, seq.seq_id, len(seq.prompt_token_ids))
@@ -206,7 +226,7 @@ def _prefill_worker(init_method: str, device: str, config: Any, state: dict, dty
                         peer.send(message)
                 elif kind == "ready":
                     kv = staged.pop(message[1])
-                    sending.append((landed(dist.isend(kv, dst=DECODE)), kv))
+                    sending.append((Landed(dist.isend(kv, dst=DECODE)), kv))
                 elif kind == "drop":
                     staged.pop(message[1], None)
                 elif kind == "stats":
@@ -227,7 +247,7 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
         engine = _start_worker(DECODE, init_method, device, config, state, dtype, tokenizer, engine_kwargs)
         del state
         offers: deque[Offer] = deque()
-        arriving: list[tuple[Offer, torch.Tensor, torch.Tensor, threading.Event, float]] = []  # ..., done, t0
+        arriving: list[tuple[Offer, torch.Tensor, torch.Tensor, Landed, float]] = []  # ..., done, t0
         aborted: set[str] = set()
         held_back: set[str] = set()  # offers that had to wait for blocks or a free row
         results.put(("ready", DECODE))
@@ -261,11 +281,11 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
                     break
                 offers.popleft()
                 buffer = torch.empty(o.shape, dtype=o.dtype, device=engine.cache.device)
-                done = landed(dist.irecv(buffer, src=PREFILL))
+                done = Landed(dist.irecv(buffer, src=PREFILL))
                 peer.send(("ready", o.request_id))
                 arriving.append((o, slots, buffer, done, time.perf_counter()))
             while arriving and arriving[0][3].is_set():  # transfers complete in the order they were posted
-                o, slots, buffer, _, start = arriving.pop(0)
+                o, slots, buffer, done, start = arriving.pop(0)
                 if o.request_id in aborted:
                     aborted.discard(o.request_id)
                     engine.release_prefilled(o.request_id)
@@ -273,7 +293,7 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
                 write_kv(engine.cache, slots, buffer)
                 seconds = time.perf_counter() - start
                 results.put(("transfer", o.request_id, Transfer(buffer.numel() * buffer.element_size(), seconds,
-                                                                 len(o.prompt_token_ids))))
+                                                                 len(o.prompt_token_ids), done.at - start)))
                 results.put(("output", engine.add_prefilled(
                     o.request_id, o.prompt_token_ids, o.params, o.first_token, o.first_logprob, o.first_top,
                     o.generator_state, o.arrival_time)))

@@ -45,6 +45,7 @@ def test_the_split_gives_one_engine_tokens_and_sends_chapter_02_bytes(shipped, e
         sent = engine.transfers[out.request_id]
         assert sent.prompt_tokens == len(out.prompt_token_ids)
         assert sent.nbytes == kv_cache_bytes(model.config, sent.prompt_tokens, dtype_bytes=4)  # fp32 on the CPU
+        assert 0 < sent.landed_s <= sent.seconds  # the transfer completes before D's loop takes it
     stats = engine.worker_stats()  # everything finished: no block held on either side
     assert stats["decode"]["held_back"] >= 2  # 4 requests, 2 rows: offers waited, and still came through
     assert stats["decode"]["used_blocks"] == 0 and stats["decode"]["reserved"] == 0
