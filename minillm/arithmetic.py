@@ -840,3 +840,29 @@ def pipeline_bubble_fraction(n_stages: int, n_microbatches: int) -> float:
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}.")
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(config: ModelConfig | str, rank: int, targets: Sequence[str] = ("q_proj", "v_proj")) -> int:
+    """Parameters of a LoRA adapter: rank x (in + out) per adapted projection and layer (A [r, in], B [out, r]).
+
+    `targets` are PEFT's names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj). A full fine-tune
+    of the same projections changes in x out numbers each. Introduced in chapter 08.
+    """
+    c = _config(config)
+    _positive("rank", rank)
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"q_proj": (c.dim, q), "k_proj": (c.dim, kv), "v_proj": (c.dim, kv), "o_proj": (q, c.dim),
+              "gate_proj": (c.dim, c.ffn_dim), "up_proj": (c.dim, c.ffn_dim), "down_proj": (c.ffn_dim, c.dim)}
+    unknown = [t for t in targets if t not in shapes]
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {unknown}: use PEFT's names {list(LORA_TARGETS)}.")
+    return c.n_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def lora_bytes(config: ModelConfig | str, rank: int, targets: Sequence[str] = ("q_proj", "v_proj"),
+               dtype_bytes: float | str = 2) -> float:
+    """Bytes of a LoRA adapter's weights: lora_params(...) x dtype_bytes (bf16: 2). Introduced in chapter 08."""
+    return lora_params(config, rank, targets) * _dtype_bytes(dtype_bytes)

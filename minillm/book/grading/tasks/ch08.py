@@ -622,3 +622,158 @@ def _(fn: Callable) -> None:
         if reference_can_take(*case) != took:
             raise RuntimeError(f"the reference disagrees with LLMEngine.reserve_prefilled on {case}")
     _check_take(fn, [case for case, _ in states], "an engine's state")
+
+
+# ---- 08.mixed_lora -----------------------------------------------------------------------------------
+
+
+def reference_mixed_lora(x: torch.Tensor, w: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                         scales: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
+    """A batch whose rows use different LoRA adapters (unmerged serving, Punica's SGMV idea, in PyTorch).
+
+    x [N, in]; w [out, in] (the base projection, nn.Linear's layout); lora_a [S, r, in] and lora_b [S, out, r] (S
+    adapters stacked); scales [S] (alpha / r of each); adapter_ids [N] long, -1 for a row of the base model.
+    Row n: x[n] @ w.T + scales[s] * (x[n] @ A_s.T) @ B_s.T with s = adapter_ids[n] (no update where s = -1).
+    The base matmul runs once for the whole batch; each adapted row gathers its own A and B.
+    """
+    y = x @ w.T
+    keep = adapter_ids >= 0
+    ids = adapter_ids[keep]
+    h = torch.bmm(lora_a[ids], x[keep].unsqueeze(-1))  # [n, r, 1]
+    upd = torch.bmm(lora_b[ids], h).squeeze(-1) * torch.as_tensor(scales, dtype=x.dtype)[ids].unsqueeze(-1)
+    y[keep] += upd.to(y.dtype)
+    return y
+
+
+mixed_lora_task = register_task(
+    "08.mixed_lora",
+    "mixed_lora(x: Tensor[N, in], w: Tensor[out, in], lora_a: Tensor[S, r, in], lora_b: Tensor[S, out, r], "
+    "scales: Tensor[S], adapter_ids: Tensor[N] (long, -1: no adapter)) -> Tensor[N, out]",
+    reference=reference_mixed_lora,
+    forbid=("minillm.kernels.add_lora_reference", "minillm.kernels.add_lora_gathered", "minillm.kernels.add_lora",
+            "minillm.lora.lora_matmul", "minillm.lora.slots.lora_matmul"),
+)
+
+_LORA_HOW = ("row n is x[n] @ w.T, plus, when s = adapter_ids[n] >= 0, scales[s] * (x[n] @ lora_a[s].T) @ lora_b[s].T: "
+             "select the rows with an adapter (adapter_ids >= 0), gather their A and B (lora_a[ids], lora_b[ids]), and "
+             "torch.bmm the shrink (to rank r) then the expand.")
+
+
+def _lora_one_row(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+                  ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Row n computed alone (the contract)."""
+    y = x[n] @ w.T
+    s = int(ids[n])
+    return y if s < 0 else y + scales[s] * (b[s] @ (a[s] @ x[n]))
+
+
+def _lora_variant(negative_is_last: bool = False, no_scale: bool = False, first_adapter: bool = False) -> Callable:
+    def wrong(x, w, a, b, scales, ids):  # noqa: ANN001, ANN202
+        out = x @ w.T
+        for n in range(x.shape[0]):
+            s = int(ids[n])
+            if s < 0 and not negative_is_last:
+                continue
+            s = 0 if first_adapter else s
+            upd = b[s] @ (a[s] @ x[n])
+            out[n] = out[n] + (upd if no_scale else scales[s] * upd)
+        return out
+    return wrong
+
+
+_LORA_SUSPECTS = [
+    (_lora_variant(negative_is_last=True),
+     "the base rows (adapter_ids = -1) got an update: in PyTorch, lora_a[-1] is the LAST adapter, not 'none'. Select "
+     "the rows with adapter_ids >= 0 first, and leave the others at x @ w.T."),
+    (_lora_variant(no_scale=True),
+     "the update is missing its scale: multiply each row's (x A^T) B^T by scales[s] of its own adapter (alpha / r)."),
+    (_lora_variant(first_adapter=True),
+     "every adapted row used adapter 0: gather each row's own matrices, lora_a[adapter_ids] and lora_b[adapter_ids]."),
+]
+
+
+def _lora_case(gen: torch.Generator, n: int, d_in: int, d_out: int, S: int, r: int, ids: list[int],
+               dtype: torch.dtype = torch.float64) -> tuple:
+    x = torch.randn(n, d_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64) / d_in ** 0.5
+    a = torch.randn(S, r, d_in, generator=gen, dtype=torch.float64) / d_in ** 0.5
+    b = torch.randn(S, d_out, r, generator=gen, dtype=torch.float64)
+    scales = torch.rand(S, generator=gen, dtype=torch.float64) * 3 + 0.5
+    return (*(t.to(dtype) for t in (x, w, a, b, scales)), torch.tensor(ids, dtype=torch.long))
+
+
+def _same_lora(a: object, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-5,
+                                                                                  rtol=1e-5)
+
+
+def _check_lora(fn: Callable, cases: list[tuple], what: str, atol: float = 1e-8) -> None:
+    got = []
+    for x, w, a, b, scales, ids in cases:
+        g = call_catching(fn, (x.clone(), w.clone(), a.clone(), b.clone(), scales.clone(), ids.clone()), "RuntimeError",
+                          f"{what}: mixed_lora(x {tuple(x.shape)}, w {tuple(w.shape)}, lora_a {tuple(a.shape)}, "
+                          f"lora_b {tuple(b.shape)}, scales {tuple(scales.shape)}, adapter_ids {ids.tolist()})",
+                          f"a tensor of shape ({x.shape[0]}, {w.shape[0]})",
+                          "mind the shapes: lora_a[s] is [r, in] and lora_b[s] is [out, r], so a row's update is "
+                          "lora_b[s] @ (lora_a[s] @ x[n]); gathered over rows, torch.bmm(lora_a[ids], "
+                          "x_rows.unsqueeze(-1)) is [n, r, 1].")
+        if not isinstance(g, torch.Tensor):
+            raise MismatchError(what, f"a torch.Tensor of shape ({x.shape[0]}, {w.shape[0]})", type(g).__name__,
+                                "return the batch's outputs as one tensor [N, out].")
+        got.append(g)
+    for g, (x, w, a, b, scales, ids) in zip(got, cases):
+        expected = reference_mixed_lora(x, w, a, b, scales, ids)
+        for n in range(x.shape[0]):  # the grader's own check: the reference is each row computed alone
+            if not torch.allclose(_lora_one_row(x, w, a, b, scales, ids, n), expected[n], atol=1e-4, rtol=1e-4):
+                raise RuntimeError("the reference disagrees with the row computed alone")
+        if _same_lora(g, expected) and g.dtype == x.dtype:
+            continue
+        hint = diagnose(got, cases, _LORA_SUSPECTS, _LORA_HOW, _same_lora)
+        bad = next((n for n in range(x.shape[0]) if g.shape != expected.shape or not _same_lora(g[n], expected[n])), 0)
+        if g.shape == expected.shape:
+            kind = "the base model" if int(ids[bad]) < 0 else f"adapter {int(ids[bad])}"
+            expect_close(g[bad], expected[bad], f"{what}: row {bad} (under {kind}; adapter_ids {ids.tolist()})",
+                         hint, atol=atol, rtol=atol)
+        expect_close(g, expected, f"{what}: mixed_lora(..., adapter_ids={ids.tolist()})", hint, atol=atol, rtol=atol)
+
+
+@mixed_lora_task.test("the example: 5 rows, adapters [0, -1, 1, 0, -1] (two base rows), in 8, out 6, rank 2; each row "
+                      "equals the row computed alone")
+def _(fn: Callable) -> None:
+    gen = torch.Generator().manual_seed(881)
+    _check_lora(fn, [_lora_case(gen, 5, 8, 6, 2, 2, [0, -1, 1, 0, -1])], "the example")
+
+
+@mixed_lora_task.test("all rows base (no update at all), all one adapter, one row, 8 adapters over 20 rows, rank 1")
+def _(fn: Callable) -> None:
+    gen = torch.Generator().manual_seed(882)
+    ids20 = [int(i) for i in torch.randint(-1, 8, (20,), generator=gen)]
+    cases = [_lora_case(gen, 4, 6, 5, 3, 2, [-1, -1, -1, -1]), _lora_case(gen, 4, 6, 5, 3, 2, [2, 2, 2, 2]),
+             _lora_case(gen, 1, 7, 3, 2, 4, [1]), _lora_case(gen, 20, 12, 10, 8, 3, ids20),
+             _lora_case(gen, 6, 5, 9, 4, 1, [3, -1, 0, 3, 2, 1])]
+    _check_lora(fn, cases, "a random batch")
+
+
+@mixed_lora_task.test("float32 in, float32 out: the shipped Menenius adapter on layer 0's q_proj of the shipped model, "
+                      "beside the base rows, equals the merged weight W + s B A on its rows")
+def _(fn: Callable) -> None:
+    from pathlib import Path
+
+    import minillm
+    from minillm.lora import load_adapter
+    from minillm.lora.train import SHIPPED
+
+    model, _ = minillm.load(minillm.DEFAULT_MODEL, dtype=torch.float32)
+    adapter = load_adapter(Path(minillm.__file__).parent / "models" / SHIPPED, model.config)
+    q = model.config.n_heads * model.config.head_dim
+    w = model.layers[0].self_attn.qkv_proj.weight.detach()[:q]
+    a, b = adapter.weights[0, "q_proj"]
+    gen = torch.Generator().manual_seed(883)
+    x = torch.randn(6, w.shape[1], generator=gen)
+    ids = torch.tensor([0, -1, 0, 0, -1, 0])
+    scales = torch.tensor([adapter.scale])
+    _check_lora(fn, [(x, w, a[None], b[None], scales, ids)], "the shipped adapter", atol=1e-4)
+    got = fn(x, w, a[None], b[None], scales, ids)
+    merged = x @ (w + adapter.delta(0, "q_proj")).T
+    expect_close(got[ids >= 0], merged[ids >= 0], "the adapted rows against the merged weight W + s B A",
+                 "unmerged and merged serving must agree: " + _LORA_HOW, atol=1e-4, rtol=1e-4)
