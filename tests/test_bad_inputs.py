@@ -122,6 +122,18 @@ def test_generate_into_a_pipe_that_closes_ends_without_a_traceback():
     assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
 
 
+def test_more_completions_than_the_engine_runs_at_once_are_refused_when_added(shipped):
+    """A request's best_of sequences run side by side once its prompt is done: more than max_num_seqs could never
+    run, and were once accepted and forked (hypothesis found best_of = 4,225,393: a 69 GB allocation)."""
+    model, tokenizer = shipped
+    engine = LLMEngine(model, tokenizer, max_num_seqs=8, num_blocks=64)
+    with pytest.raises(ValueError, match="best_of=9 completions.*max_num_seqs=8"):
+        engine.add_request("r", "ROMEO.\n", SamplingParams(max_tokens=3, n=2, best_of=9))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("r", "ROMEO.\n", SamplingParams(max_tokens=3, best_of=8, ignore_eos=True))
+    assert len(engine.run()) == 8
+
+
 # ---------------------------------------------------------------------- random SamplingParams (hypothesis)
 
 NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),

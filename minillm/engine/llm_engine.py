@@ -275,14 +275,19 @@ class LLMEngine:
 
         Checked now, with a ValueError that says what to change: an empty prompt, ids outside the
         vocabulary, prompt + max_tokens beyond the model's context or the cache, stop strings without a
-        tokenizer, a request id in use, an unknown adapter; under a constraint, stop strings or ignore_eos
-        (the pattern decides where the output ends).
+        tokenizer, a request id in use, an unknown adapter, best_of (or n) above max_num_seqs; under a constraint,
+        stop strings or ignore_eos (the pattern decides where the output ends).
         """
         if lora is not None and lora not in self.lora_modules:
             known = sorted(self.lora_modules) or "none"
             raise ValueError(f"unknown LoRA adapter {lora!r}; this engine serves {known}: register it with "
                              "lora_modules= (--lora-modules) or add_lora.")
         params = params or SamplingParams()
+        best_of = params.best_of or params.n
+        if best_of > self.scheduler.max_num_seqs:  # its sequences all run at once, from the fork on
+            raise ValueError(f"the request asks for best_of={best_of} completions, which run side by side, but this "
+                             f"engine runs at most max_num_seqs={self.scheduler.max_num_seqs} sequences at once: "
+                             "lower n / best_of, or raise max_num_seqs.")
         ids = prepare_prompt(self.model, prompt, params, self.tokenizer)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if constraint is not None:
