@@ -281,9 +281,10 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
                     break
                 offers.popleft()
                 buffer = torch.empty(o.shape, dtype=o.dtype, device=engine.cache.device)
+                start = time.perf_counter()  # before the irecv: the transfer may land before the next line runs
                 done = Landed(dist.irecv(buffer, src=PREFILL))
                 peer.send(("ready", o.request_id))
-                arriving.append((o, slots, buffer, done, time.perf_counter()))
+                arriving.append((o, slots, buffer, done, start))
             while arriving and arriving[0][3].is_set():  # transfers complete in the order they were posted
                 o, slots, buffer, done, start = arriving.pop(0)
                 if o.request_id in aborted:
