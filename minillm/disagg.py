@@ -53,7 +53,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
@@ -176,6 +176,13 @@ def _stats(engine: LLMEngine) -> dict[str, int]:
             "used_blocks": allocator.num_used_blocks, "num_blocks": allocator.num_blocks}
 
 
+def _messages(conns: list[Any], busy: bool) -> Iterator[tuple]:
+    """The messages waiting on a worker's pipes (the router's and the other worker's): at once when the worker has
+    work of its own, else after waiting up to 10 ms for one."""
+    for conn in wait(conns, timeout=0 if busy else 0.01):
+        yield conn.recv()
+
+
 def _die(results: Any, rank: int) -> None:
     """Tell the router why this worker fails (the traceback), make sure the message is out, and exit."""
     results.put(("died", rank, traceback.format_exc()))
@@ -206,8 +213,7 @@ def _prefill_worker(init_method: str, device: str, config: Any, state: dict, dty
         results.put(("ready", PREFILL))
         while True:
             busy = engine.has_unfinished_requests() or sending
-            for conn in wait([inbox, peer], timeout=0 if busy else 0.01):
-                message = conn.recv()
+            for message in _messages([inbox, peer], busy):
                 kind = message[0]
                 if kind == "stop":
                     return
@@ -253,8 +259,7 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
         results.put(("ready", DECODE))
         while True:
             busy = engine.has_unfinished_requests() or arriving
-            for conn in wait([inbox, peer], timeout=0 if busy else 0.01):
-                message = conn.recv()
+            for message in _messages([inbox, peer], busy):
                 kind = message[0]
                 if kind == "stop":
                     return
