@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from common import write_results
 
 import minillm
+from minillm.checkpoints import materialize
 from minillm.disagg import DisaggregatedEngine
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
 from minillm.parallel.workers import free_port
@@ -121,10 +122,7 @@ def _replica(model_state: tuple, device: str, engine_kwargs: dict, inbox: Any, r
     config, state, dtype = model_state
     with torch.device("meta"):
         model = minillm.Transformer(config)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(state)
-    engine = LLMEngine(model.eval(), None, **engine_kwargs)
+    engine = LLMEngine(materialize(model, state, device, dtype), None, **engine_kwargs)
     results.put(("ready", None))
     while True:
         for _ in wait([inbox], timeout=0 if engine.has_unfinished_requests() else 0.01):

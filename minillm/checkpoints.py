@@ -222,6 +222,14 @@ def build_model(
     state = to_minillm_names(tensors, config.n_layers)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    return materialize(model, state, device, dtype)
+
+
+def materialize(model: Transformer, state: dict[str, torch.Tensor], device: torch.device | str,
+                dtype: torch.dtype) -> Transformer:
+    """A model built on the "meta" device (shapes only, no memory), given real storage on `device` in `dtype` and
+    filled from `state` (minillm's names; tensors are copied and cast), in eval mode. How every loader and every
+    worker process (tensor parallelism, the prefill/decode split) turns weights into a model."""
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.load_state_dict(state)  # copies, casting to the model's dtype

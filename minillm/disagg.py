@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minillm.checkpoints import materialize
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
 from minillm.engine.sequence import Sequence as Seq
@@ -163,10 +164,7 @@ def _start_worker(rank: int, init_method: str, device: str, config: Any, state: 
     dist.send(probe, dst=DECODE) if rank == PREFILL else dist.recv(probe, src=PREFILL)
     with torch.device("meta"):
         model = Transformer(config)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(state)
-    return LLMEngine(model.eval(), tokenizer, **engine_kwargs)
+    return LLMEngine(materialize(model, state, device, dtype), tokenizer, **engine_kwargs)
 
 
 def _stats(engine: LLMEngine) -> dict[str, int]:

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.checkpoints import materialize
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache, StepInputs
 from minillm.model import Transformer
@@ -152,10 +153,7 @@ def build_shard(config: ModelConfig, state: dict[str, torch.Tensor], world: int,
                 row = RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None)
                 row.gate = gate
                 setattr(owner, name, row)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(state)
-    return model.eval()
+    return materialize(model, state, device, dtype)
 
 
 # ---------------------------------------------------------------------------- the workers
