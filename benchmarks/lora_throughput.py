@@ -6,9 +6,10 @@ projections (q, k, v, o, gate, up, down), so each is the most expensive kind. Me
 1. Engine throughput (`LLM.generate`, greedy, every request generating exactly its max_tokens) for a batch of
    `--batch` requests: the base model alone; one adapter merged into the weights; and unmerged with 1, 4, 16
    and 64 distinct adapters spread over the batch (max_loras = that number, so no request waits for a slot).
-2. The batched LoRA op on one layer's qkv_proj for `--batch` token rows: the per-adapter loop (the engine's
-   PyTorch path), every row gathering its own matrices (BGMV in PyTorch), the Triton kernel (CUDA only), and
-   the base matmul it rides on.
+2. The batched LoRA op on one target for `--batch` token rows: the per-adapter loop (the engine's PyTorch
+   path), every row gathering its own matrices (BGMV in PyTorch), the Triton kernel (CUDA only), and the
+   target's base matmul it rides on; with the bytes the op must move, as GB/s against the device's copy
+   bandwidth. On a GPU also at two Llama-3.2-1B targets (q_proj 2048 -> 2048, gate_proj 2048 -> 8192).
 3. The cost of loading one adapter into a slot (host -> device), and slot thrashing: 16 adapters in the batch
    with 4 slots, where requests wait for slots and adapters are evicted and loaded again, against 16 slots.
 
@@ -84,31 +85,39 @@ def engine_throughput(model, tokenizer, adapters: dict, distinct: int | None, ar
             "slot_loads": slots.loads if slots else 0, "evictions": slots.evictions if slots else 0}
 
 
-def op_times(model, adapters: dict, args) -> dict:  # noqa: ANN001
-    """The batched LoRA op on layer 0's qkv_proj (q, k, v updates) for `batch` rows, by distinct adapters."""
-    device, dtype = model.device, model.dtype
-    slots = LoRASlots(model, 64, args.rank)
-    for name, adapter in adapters.items():
-        slots.register(name, adapter)
-        slots.acquire(name)
-    x = torch.randn(args.batch, model.config.dim, device=device, dtype=dtype)
-    base = model.layers[0].self_attn.qkv_proj
-    y = base(x)
-    q_rows = target_rows(model.config)["q_proj"]
-    a, b = slots.lora_a[0, "q_proj"], slots.lora_b[0, "q_proj"]
-    out: dict = {"base_matmul_qkv_ms": round(1e3 * timed(lambda: base(x), args.repeats), 4), "by_distinct": {}}
+def copy_gb_s(device: torch.device) -> float:
+    """The device's copy bandwidth: GB/s read plus written by one large tensor copy (256 MiB)."""
+    src = torch.empty(2**28, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10) / 1e9
+
+
+def op_times(d_in: int, d_out: int, device: torch.device, dtype: torch.dtype, args) -> dict:  # noqa: ANN001
+    """The batched LoRA op for one target (y [batch, d_out] += B A x, rank `args.rank`, 64 slots) by distinct
+    adapters in the batch, against the target's own base matmul; with the bytes each way must read and write."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = 0.02 * torch.randn(64, args.rank, d_in, device=device, dtype=dtype, generator=g)
+    b = 0.02 * torch.randn(64, d_out, args.rank, device=device, dtype=dtype, generator=g)
+    x = torch.randn(args.batch, d_in, device=device, dtype=dtype, generator=g)
+    w = 0.02 * torch.randn(d_out, d_in, device=device, dtype=dtype, generator=g)
+    y = x @ w.T
+    size = torch.finfo(dtype).bits // 8
+    out: dict = {"d_in": d_in, "d_out": d_out, "base_matmul_ms": round(1e3 * timed(lambda: x @ w.T, args.repeats), 4),
+                 "base_matmul_bytes": size * (d_out * d_in + args.batch * (d_in + d_out)), "by_distinct": {}}
     kernels = {"per_adapter_loop_ms": add_lora_reference, "bgmv_gathered_ms": add_lora_gathered}
     if device.type == "cuda":
         from minillm.kernels import add_lora
 
         kernels["triton_kernel_ms"] = add_lora
-    q = y[:, : q_rows[2]]  # q's columns of the qkv output
     for distinct in (1, 4, 16, 64):
         ids = torch.arange(args.batch, device=device) % distinct
-        out["by_distinct"][distinct] = {
-            name: round(1e3 * timed(lambda f=fn, i=ids: f(q, x, a, b, i), args.repeats), 4)
-            for name, fn in kernels.items()}
-    out["note"] = f"one target (q_proj's slice of qkv_proj, rank {args.rank}); the engine runs 7 a layer"
+        row = {name: round(1e3 * timed(lambda f=fn, i=ids: f(y, x, a, b, i), args.repeats), 4)
+               for name, fn in kernels.items()}
+        # the least a kernel must move: x, y read and written, and each distinct adapter's A and B once
+        row["bytes"] = size * (args.batch * (d_in + 2 * d_out) + min(distinct, args.batch) * args.rank * (d_in + d_out))
+        fastest = min(v for k, v in row.items() if k.endswith("_ms"))
+        row["fastest_gb_s"] = round(row["bytes"] / (fastest / 1e3) / 1e9, 2)
+        out["by_distinct"][distinct] = row
     return out
 
 
@@ -145,7 +154,14 @@ def main() -> None:
         print(f"unmerged, {distinct} adapters: {throughput[f'unmerged_{distinct}']}", flush=True)
     throughput["thrash_16_adapters_4_slots"] = engine_throughput(model, tokenizer, adapters, 16, args, max_loras=4)
     results["throughput"] = throughput
-    results["op"] = op_times(model, adapters, args)
+    config, dtype = model.config, model.dtype
+    results["op"] = {"note": f"one target, y [batch, d_out] += B A x, rank {args.rank}; the engine runs 7 a layer",
+                     "shipped_q_proj": op_times(config.dim, target_rows(config)["q_proj"][2], model.device, dtype,
+                                                args)}
+    if cuda:  # a target of a size where bytes, not launches, should set the time
+        results["op"]["llama-1B_q_proj"] = op_times(2048, 2048, model.device, dtype, args)
+        results["op"]["llama-1B_gate_proj"] = op_times(2048, 8192, model.device, dtype, args)
+    results["op"]["copy_gb_s"] = round(copy_gb_s(model.device), 1)
     results["adapter_load"] = load_cost(model, adapters, args)
     for name, row in throughput.items():
         print(f"{name:28s} {row['tok_per_s']:>9.1f} tok/s  loads {row['slot_loads']:>3d}  evictions {row['evictions']}")

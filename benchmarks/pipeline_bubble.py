@@ -16,6 +16,10 @@ run one after the other (m = 1 is plain batched decoding). Decode tokens/s count
 first over the time after the prefill's last token was back (`PipelineStats.decode_tokens_per_s`).
 
     python benchmarks/pipeline_bubble.py        # writes results/pipeline_bubble_cpu.json (~1.5 min on 2 cores)
+    python benchmarks/pipeline_bubble.py --shape llama-1B --batch 64      # 2 GPUs, NCCL: pipeline_bubble_cuda.json
+
+With `--shape llama-1B` the model is the Llama-3.2-1B shape with random bf16 weights (16 layers, eight a stage),
+saved to a temporary folder that every stage loads; the one-process baselines then run on one GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 
 import torch
 from common import write_results
@@ -35,11 +40,25 @@ TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the ea
 
 
 def make_prompts(tokenizer: minillm.Tokenizer, batch: int, length: int) -> list[list[int]]:
-    """`batch` prompts of `length` tokens: windows of one passage, each starting one token later."""
+    """`batch` prompts of `length` tokens: windows of one passage (repeated as often as needed), each starting
+    one token later."""
     ids = tokenizer.encode(TEXT)
-    if len(ids) < batch + length:
-        raise ValueError(f"the passage has {len(ids)} tokens, fewer than batch + length = {batch + length}.")
+    ids = ids * -(-(batch + length) // len(ids))
     return [ids[i:i + length] for i in range(batch)]
+
+
+def random_model_folder(shape: str, folder: str) -> str:
+    """Save a random bf16 model of a `roofline.SHAPES` shape (e.g. llama-1B) to `folder`; returns the folder."""
+    from roofline import SHAPES
+
+    from minillm.checkpoints import save
+    from minillm.config import ModelConfig
+
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192,
+                                  "rms_norm_eps": 1e-5, **SHAPES[shape]})
+    torch.manual_seed(0)
+    save(minillm.Transformer(config).to(torch.bfloat16).eval(), folder)
+    return folder
 
 
 def single_process_tok_s(model: minillm.Transformer, prompts: list[list[int]], tokens: int, microbatches: int,
@@ -47,7 +66,7 @@ def single_process_tok_s(model: minillm.Transformer, prompts: list[list[int]], t
     """Decode tokens/s of the whole model in this process (one stage, no messages), the micro-batches in turn."""
     torch.set_num_threads(threads)
     try:
-        out = pipeline_generate(PipelineStage(model, 0, 1), prompts, tokens, microbatches)
+        out = pipeline_generate(PipelineStage(model, 0, 1, model.device), prompts, tokens, microbatches)
     finally:
         torch.set_num_threads(1)
     return out.stats.decode_tokens_per_s
@@ -62,13 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--schedules", nargs="+", default=["ring", "gpipe"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--shape", default=None, help="a roofline shape (llama-1B) with random bf16 weights, "
+                        "instead of the shipped model")
     parser.add_argument("--out", default=None, help="results name (default pipeline_bubble_<device>)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    model, tokenizer = minillm.load(minillm.DEFAULT_MODEL)
-    prompts = make_prompts(tokenizer, args.batch, args.prompt_len)
     on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.stages  # as run_pipeline decides
+    _, tokenizer = minillm.load(minillm.DEFAULT_MODEL)
+    prompts = make_prompts(tokenizer, args.batch, args.prompt_len)
+    scratch = tempfile.TemporaryDirectory()
+    source = random_model_folder(args.shape, scratch.name) if args.shape else minillm.DEFAULT_MODEL
+    model, _ = minillm.load(source, device="cuda:0" if on_gpus else "cpu")
 
     runs: dict[tuple[str, int], list] = {}
     baseline: dict[tuple[int, int], list[float]] = {}
@@ -78,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline.setdefault((m, threads), []).append(
                     single_process_tok_s(model, prompts, args.tokens, m, threads))
             for schedule in args.schedules:
-                stats = run_pipeline(minillm.DEFAULT_MODEL, prompts, args.tokens, stages=args.stages, microbatches=m,
+                stats = run_pipeline(source, prompts, args.tokens, stages=args.stages, microbatches=m,
                                      schedule=schedule).stats
                 runs.setdefault((schedule, m), []).append(stats)
                 print(f"repeat {repeat + 1}: {schedule:<5} m={m}: bubble {stats.bubble_fraction:.3f} "
@@ -111,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['single_process_1_thread_tokens_per_s']:>13.0f} {r['single_process_2_threads_tokens_per_s']:>13.0f}")
 
     path = write_results(args.out or f"pipeline_bubble_{'cuda' if on_gpus else 'cpu'}", {
-        "benchmark": "pipeline parallelism: measured bubble vs formula, greedy decode of the shipped model",
-        "settings": {"model": minillm.DEFAULT_MODEL, "stages": args.stages, "batch": args.batch,
+        "benchmark": "pipeline parallelism: measured bubble vs formula, greedy decode",
+        "settings": {"model": f"{args.shape} shape, random bf16" if args.shape else minillm.DEFAULT_MODEL,
+                     "gpu": torch.cuda.get_device_name(0) if on_gpus else None, "stages": args.stages, "batch": args.batch,
                      "prompt_len": args.prompt_len, "tokens": args.tokens, "repeats": args.repeats,
                      "backend": "nccl" if on_gpus else "gloo", "threads_per_stage": 1},
         "timing": "bubble = a stage's wall time minus its compute time, over its wall time (prefill included); "

@@ -162,6 +162,8 @@ def _start_worker(rank: int, init_method: str, device: str, config: Any, state: 
     # while both are starting, not at the first hand-off (where D would wait in irecv before saying "ready").
     probe = torch.zeros(1, device=device)
     dist.send(probe, dst=DECODE) if rank == PREFILL else dist.recv(probe, src=PREFILL)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()  # the probe is done on the device before the engine captures its CUDA graphs
     with torch.device("meta"):
         model = Transformer(config)
     return LLMEngine(materialize(model, state, device, dtype), tokenizer, **engine_kwargs)
