@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results(args.out or f"pipeline_bubble_{'cuda' if on_gpus else 'cpu'}", {
         "benchmark": "pipeline parallelism: measured bubble vs formula, greedy decode",
         "settings": {"model": f"{args.shape} shape, random bf16" if args.shape else minillm.DEFAULT_MODEL,
-                     "gpu": torch.cuda.get_device_name(0) if on_gpus else None, "stages": args.stages, "batch": args.batch,
+                     "gpu": torch.cuda.get_device_name(0) if on_gpus else None,
+                     "stages": args.stages, "batch": args.batch,
                      "prompt_len": args.prompt_len, "tokens": args.tokens, "repeats": args.repeats,
                      "backend": "nccl" if on_gpus else "gloo", "threads_per_stage": 1},
         "timing": "bubble = a stage's wall time minus its compute time, over its wall time (prefill included); "
