@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Chapter 08 on two GPUs, one lease: the NCCL disaggregation test, then the interference / KV-transfer, LoRA, pipeline
 # and TP benchmarks. Results land in $OUT. Run as: MINILLM_COMMIT=<hash> bash benchmarks/ch08_gpu_session.sh PART
-# PART: nccl (the test, ~2 min) | disagg (interference + transfer) | rest (LoRA, PP, TP at the 1B shape).
+# PART: nccl (the test) | disagg (interference + transfer) | lora | parallel (PP, 1B shape) | tp (1B shape).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 [ -e minillm/kernels ] || ln -s "$PWD/kernels" minillm/kernels
@@ -22,9 +22,11 @@ lora)
   (cd benchmarks && DUMP_AFTER=250 timeout 280 python3 lora_throughput.py 2>&1 | tail -20 | tee "$OUT/lora.log")
   cp results/lora_throughput_cuda.json "$OUT/" 2>/dev/null ;;
 parallel)
-  (cd benchmarks && DUMP_AFTER=250 timeout 280 python3 pipeline_bubble.py --shape llama-1B --batch 64 \
-      --microbatches 1 2 4 8 --tokens 32 2>&1 | tail -14 | tee "$OUT/pp.log")
+  (cd benchmarks && DUMP_AFTER=330 timeout 360 python3 pipeline_bubble.py --shape llama-1B --batch 64 \
+      --microbatches 1 2 4 --tokens 32 --repeats 1 2>&1 | tail -14 | tee "$OUT/pp.log")
+  cp results/pipeline_bubble_cuda.json "$OUT/" 2>/dev/null ;;
+tp)
   (cd benchmarks && DUMP_AFTER=200 timeout 240 python3 tensor_parallel.py --shape llama-1B --tp 1 2 --batch 8 64 \
       --name 1b_2gpu 2>&1 | tail -14 | tee "$OUT/tp.log")
-  cp results/pipeline_bubble_cuda.json results/tensor_parallel_cuda_1b_2gpu.json "$OUT/" 2>/dev/null ;;
+  cp results/tensor_parallel_cuda_1b_2gpu.json "$OUT/" 2>/dev/null ;;
 esac

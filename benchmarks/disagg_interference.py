@@ -294,14 +294,27 @@ def main() -> None:
                                                         enable_chunked_prefill=False),
                               decode=dict(base, max_num_batched_tokens=args.budget), devices=devices)
     g = torch.Generator().manual_seed(5)
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for length in (16, shape["long_len"]):  # warm-up: the first prompts of a fresh pair compile kernels
+        eng.generate([torch.randint(2, vocab, (length,), generator=g).tolist()], two)
     for length in [n for n in (16, 64, 256, 512, 1024, 2048, 4096) if n <= shape["long_len"]]:
         prompt = torch.randint(2, vocab, (length,), generator=g).tolist()
-        [out] = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        t = eng.transfers[out.request_id]
+        submitted, received, out = time.perf_counter(), None, None
+        request_id = eng.add_request(None, prompt, two, submitted)
+        while out is None or not out.finished:
+            for out in eng.step():  # noqa: B007 - the last output tells when the request is finished
+                received = received or time.perf_counter()  # the first output's arrival at the router
+        t = eng.transfers[request_id]
         transfers.append({"prompt_tokens": length, "bytes": t.nbytes, "seconds": t.seconds,
                           "gb_s": t.nbytes / t.seconds / 1e9, "ttft_s": out.token_times_s[0],
                           "share_of_ttft": t.seconds / out.token_times_s[0], "landed_s": t.landed_s,
-                          "landed_gb_s": t.nbytes / t.landed_s / 1e9})
+                          "landed_gb_s": t.nbytes / t.landed_s / 1e9,
+                          # where the TTFT went (one clock for all processes): P's queue and prefill, the offer's
+                          # trip and D's reaction, the transfer and write, the first output's trip to the router
+                          "ttft_parts_s": {"prefill_on_p": t.prefilled_at - submitted,
+                                           "offer_to_ready": t.ready_at - t.prefilled_at,
+                                           "transfer_and_write": t.taken_at - t.ready_at,
+                                           "back_to_router": received - t.taken_at}})
         print(transfers[-1], flush=True)
     eng.shutdown()
     peak = link_gb_s(64 * 2**20, cuda)

@@ -22,6 +22,7 @@ defaults are larger. Writes results/lora_throughput_{cpu,cuda}.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -73,7 +74,8 @@ def engine_throughput(model, tokenizer, adapters: dict, distinct: int | None, ar
               max_num_batched_tokens=args.batch * args.prompt_len,
               lora_modules=modules or None, max_loras=max_loras or max(distinct or 1, 1))
     loras = None if distinct is None else [f"lora{i % distinct}" for i in range(args.batch)]
-    llm.generate(prompts[:2], params, use_tqdm=False, lora=None if loras is None else loras[:2])  # warm-up
+    # warm-up: the whole batch for two tokens (compiles the kernels for the prefill's shapes and loads the adapters)
+    llm.generate(prompts, dataclasses.replace(params, max_tokens=2), use_tqdm=False, lora=loras)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
     seconds = time.perf_counter() - start

@@ -113,12 +113,21 @@ class Offer:
 class Transfer:
     """What one request's KV hand-off cost, as D measured it, from the moment it said "ready": `landed_s` until the
     transfer completed (the link and the two sides' transport), `seconds` until D's loop took it, which adds the
-    wait for D's step in progress (what the request's TTFT pays)."""
+    wait for D's step in progress (what the request's TTFT pays).
+
+    The hand-off's moments, as `time.perf_counter()` values (one clock for all processes of a Linux machine, so
+    they compare with the router's): P finished the prompt (`prefilled_at`), D said "ready" (`ready_at`), D had
+    written the KV into its pool (`taken_at`). A request's TTFT is then: arrival to `prefilled_at` (queue and
+    prefill on P), to `ready_at` (the offer's trip and D's wait for blocks or its step), `seconds` (transfer and
+    write), and from `taken_at` to the router (the first output's trip back)."""
 
     nbytes: int
     seconds: float
     prompt_tokens: int
     landed_s: float
+    prefilled_at: float = 0.0
+    ready_at: float = 0.0
+    taken_at: float = 0.0
 
 
 class Landed:
@@ -297,9 +306,10 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
                     engine.release_prefilled(o.request_id)
                     continue
                 write_kv(engine.cache, slots, buffer)
-                seconds = time.perf_counter() - start
-                results.put(("transfer", o.request_id, Transfer(buffer.numel() * buffer.element_size(), seconds,
-                                                                 len(o.prompt_token_ids), done.at - start)))
+                taken = time.perf_counter()
+                results.put(("transfer", o.request_id, Transfer(
+                    buffer.numel() * buffer.element_size(), taken - start, len(o.prompt_token_ids), done.at - start,
+                    o.prefilled_at, start, taken)))
                 results.put(("output", engine.add_prefilled(
                     o.request_id, o.prompt_token_ids, o.params, o.first_token, o.first_logprob, o.first_top,
                     o.generator_state, o.arrival_time)))
