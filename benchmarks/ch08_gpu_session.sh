@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Chapter 08 on two GPUs, one lease: the NCCL disaggregation test, then the interference / KV-transfer, LoRA, pipeline
 # and TP benchmarks. Results land in $OUT. Run as: MINILLM_COMMIT=<hash> bash benchmarks/ch08_gpu_session.sh PART
-# PART: nccl (the test) | disagg (interference + transfer) | lora | parallel (PP, 1B shape) | tp (1B shape).
+# PART: nccl (the test) | disagg (interference + transfer) | lora | parallel (PP, 1B shape) | tp (1B shape) | parity.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 [ -e minillm/kernels ] || ln -s "$PWD/kernels" minillm/kernels
@@ -29,4 +29,8 @@ tp)
   (cd benchmarks && DUMP_AFTER=200 timeout 240 python3 tensor_parallel.py --shape llama-1B --tp 1 2 --batch 8 64 \
       --name 1b_2gpu 2>&1 | tail -14 | tee "$OUT/tp.log")
   cp results/tensor_parallel_cuda_1b_2gpu.json "$OUT/" 2>/dev/null ;;
+parity)
+  (cd benchmarks && DUMP_AFTER=200 timeout 240 python3 parallel_parity.py 2>&1 | grep -v Warning | tail -8 \
+      | tee "$OUT/parity.log")
+  cp results/parallel_parity_cuda.json "$OUT/" 2>/dev/null ;;
 esac

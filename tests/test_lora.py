@@ -276,19 +276,24 @@ def test_task_9_slots_evict_lru_never_a_pinned_one(llama):
 
 
 def test_task_10_scheduler_waits_for_a_lora_slot(llama, one_thread):
-    """One slot, two adapters: the second adapter's request waits (FCFS, with the reason), then runs."""
+    """One slot, two adapters: the second adapter's request waits (with the reason), then runs; requests behind it
+    whose adapter is resident (or that use none) pass it; one that needs a slot too waits."""
     root, _, _ = llama
     model, tok = fresh_model(root)
-    engine = LLMEngine(model, tok, lora_modules={"qv": str(root / "qv"), "mlp": str(root / "mlp")}, max_loras=1)
+    modules = {"qv": str(root / "qv"), "mlp": str(root / "mlp"), "ko": str(root / "ko")}
+    engine = LLMEngine(model, tok, lora_modules=modules, max_loras=1)
     engine.add_request("a", [0, 5, 6], GREEDY, lora="qv")
     engine.add_request("b", [0, 7, 8], GREEDY, lora="mlp")
-    engine.add_request("c", [0, 9, 10], GREEDY)  # base: waits behind b (first come, first served)
+    engine.add_request("c", [0, 9, 10], GREEDY)  # base: passes b
+    engine.add_request("d", [0, 11, 12], GREEDY, lora="qv")  # resident: passes b
+    engine.add_request("e", [0, 13, 14], GREEDY, lora="ko")  # needs a slot too: waits
     engine.step()
-    assert engine.last_step.waiting == {"b": "no free LoRA slot", "c": "behind b"}
+    assert engine.last_step.waiting == {"b": "no free LoRA slot", "e": "no free LoRA slot"}
+    assert {s.seq_id for s, _ in engine.last_step.scheduled} == {"a", "c", "d"}
     done = engine.run()
-    assert {k[0] for k in done} == {"a", "b", "c"} and engine.lora_slots.evictions == 1
+    assert {k[0] for k in done} == {"a", "b", "c", "d", "e"} and engine.lora_slots.evictions == 2
     assert sum(engine.lora_slots.pins.values()) == 0, "finished requests must unpin their slots"
-    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'; this engine serves \['mlp', 'qv'\]"):
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'; this engine serves \['ko', 'mlp', 'qv'\]"):
         engine.add_request("d", [0, 1], GREEDY, lora="nope")
 
 
