@@ -76,15 +76,21 @@ def engine_throughput(model, tokenizer, adapters: dict, distinct: int | None, ar
     loras = None if distinct is None else [f"lora{i % distinct}" for i in range(args.batch)]
     # warm-up: the whole batch for two tokens (compiles the kernels for the prefill's shapes and loads the adapters)
     llm.generate(prompts, dataclasses.replace(params, max_tokens=2), use_tqdm=False, lora=loras)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
-    seconds = time.perf_counter() - start
+    slots = llm.engine.lora_slots
+    loads, evictions = (slots.loads, slots.evictions) if slots else (0, 0)
+    runs = []
+    for _ in range(args.runs):  # the median of a few runs: one is short enough for a hiccup to move it
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
+        runs.append(time.perf_counter() - start)
+    seconds = statistics.median(runs)
     if merged:
         unmerge_adapter(model, adapters["lora0"])
     tokens = sum(len(o.token_ids) for o in outs)
-    slots = llm.engine.lora_slots
+    if slots:  # per timed run
+        loads, evictions = (slots.loads - loads) // args.runs, (slots.evictions - evictions) // args.runs
     return {"seconds": round(seconds, 3), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 1),
-            "slot_loads": slots.loads if slots else 0, "evictions": slots.evictions if slots else 0}
+            "slot_loads": loads, "evictions": evictions}
 
 
 def copy_gb_s(device: torch.device) -> float:
@@ -140,13 +146,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128 if cuda else 24)
     parser.add_argument("--new-tokens", type=int, default=128 if cuda else 24)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls of each op (median)")
+    parser.add_argument("--runs", type=int, default=3, help="timed generate calls of each engine (median)")
     args = parser.parse_args()
     device = "cuda" if cuda else "cpu"
     model, tokenizer = minillm.load(minillm.DEFAULT_MODEL, device=device,
                                     dtype=torch.bfloat16 if cuda else torch.float32)
     adapters = {f"lora{i}": random_adapter(model.config, i, args.rank) for i in range(64)}
     results: dict = {"model": minillm.DEFAULT_MODEL, "dtype": str(model.dtype), "device": device,
+                     "gpu": torch.cuda.get_device_name(0) if cuda else None, "engine_runs": args.runs,
                      "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "rank": args.rank, "targets": "q,k,v,o,gate,up,down"}
     engine_throughput(model, tokenizer, adapters, 4, args)  # unmeasured: the process's first engine compiles kernels
