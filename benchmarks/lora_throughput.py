@@ -157,7 +157,9 @@ def main() -> None:
                      "gpu": torch.cuda.get_device_name(0) if cuda else None, "engine_runs": args.runs,
                      "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "rank": args.rank, "targets": "q,k,v,o,gate,up,down"}
-    engine_throughput(model, tokenizer, adapters, 4, args)  # unmeasured: the process's first engine compiles kernels
+    # Unmeasured: the process's first engine compiles kernels. A base engine, because an engine with adapters wraps
+    # the model's projections in LoRALinear layers, and base and merged are measured on the plain model first.
+    engine_throughput(model, tokenizer, adapters, None, args)
     throughput = {"base": engine_throughput(model, tokenizer, adapters, None, args),
                   "merged_1": engine_throughput(model, tokenizer, adapters, None, args, merged=True)}
     for distinct in (1, 4, 16, 64):
