@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from minillm.shipped import DEFAULT_MODEL, shipped_models
 
@@ -128,6 +129,74 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = write_gguf(model, tokenizer, args.gguf, args.dtype)
     print(f"wrote {args.gguf}: {info['file_bytes'] / 2**20:.1f} MiB, {info['quantised_tensors']} block linears in "
           f"{args.dtype.upper()}, norms and embedding in F32")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Score a model on the book's tasks; with --baseline, fail (exit 1) on a quality regression (chapter 09)."""
+    with ctrl_c_exits_at_once():
+        import json
+
+        from minillm.checkpoints import CheckpointError, load
+        from minillm.engine import LLM
+        from minillm.eval import agreement, compare, exact_match, format_table, load_task, multiple_choice, perplexity
+        from minillm.quant.calibration import validation_ids
+
+        name = model_name(args)
+        model, tokenizer = load(name)
+    if tokenizer is None:
+        raise CheckpointError(f"{name} has no tokenizer.json, and the tasks are text: copy it into the folder.")
+    if args.group_size is not None and args.quant != "int4":
+        raise ValueError("--group-size sets int4's groups: use it with --quant int4.")
+    if args.quant == "int4" and args.group_size is not None:  # e.g. "channel": int4 without groups
+        from minillm.quant import quantize
+
+        size = args.group_size if args.group_size == "channel" else int(args.group_size)
+        quantize(model, "rtn", bits=4, group_size=size)
+    elif args.quant:
+        from minillm.quant import quantize_by_name
+
+        quantize_by_name(model, args.quant, tokenizer)
+    results: dict = {"model": name, "settings": {"quant": args.quant, "group_size": args.group_size,
+                                                 "kv_cache_dtype": args.kv_cache_dtype,
+                                                 "limit": args.limit, "reference": args.reference},
+                     "results": {}}
+    val_ids = None
+    for task_name in args.tasks:
+        if task_name in ("perplexity", "agreement"):
+            val_ids = validation_ids(tokenizer) if val_ids is None else val_ids
+            windows = args.limit or 64
+            if task_name == "perplexity":
+                results["results"]["perplexity"] = {"perplexity": perplexity(model, val_ids, max_windows=windows)}
+            else:
+                if not args.reference:
+                    raise ValueError("the agreement task compares with a reference model: pass --reference MODEL.")
+                reference, _ = load(args.reference)
+                results["results"]["agreement"] = agreement(model, reference, val_ids, max_windows=windows)
+            continue
+        task = load_task(task_name)
+        if args.limit:
+            task.docs = task.docs[: args.limit]
+        if task.kind == "multiple_choice":
+            results["results"][task.name] = multiple_choice(model, tokenizer, task)
+        else:
+            llm = LLM(model, tokenizer, kv_cache_dtype=args.kv_cache_dtype)
+            results["results"][task.name] = exact_match(llm, task)
+        print(f"{task.name}: {results['results'][task.name]}", file=sys.stderr)
+    for task_name, metrics in results["results"].items():
+        print(task_name, " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    if not args.baseline:
+        return 0
+    rows = compare(results, json.loads(Path(args.baseline).read_text()))
+    print(format_table(rows))
+    failed = [r for r in rows if r.failed]
+    if failed:
+        print(f"FAILED: {len(failed)} metric(s) moved past their tolerance against {args.baseline}.")
+        return 1
+    print(f"passed: {len(rows)} metric(s) within their tolerances against {args.baseline}.")
     return 0
 
 
@@ -269,6 +338,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the block linears' type: f32, f16, q8_0 (8.5 bits) or q4_0 (4.5 bits) (default q8_0)")
     exp.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
     exp.set_defaults(func=cmd_export)
+
+    ev = sub.add_parser("eval", help="score a model on the book's tasks; --baseline fails on a quality regression",
+                        description="Score a model on the book's local tasks (perplexity, next_line, last_word, "
+                                    "agreement with --reference). With --baseline, compare with a results file and "
+                                    "exit 1 if a metric moved past its tolerance (chapter 09).")
+    ev.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    ev.add_argument("--tasks", nargs="+", default=["perplexity", "next_line", "last_word"],
+                    help="perplexity, agreement, or task files / names in minillm/data/tasks "
+                         "(default: perplexity next_line last_word)")
+    ev.add_argument("--reference", help="the model the agreement task compares with (top-1 agreement, KL)")
+    ev.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
+    ev.add_argument("--group-size", default=None,
+                    help="with --quant int4: inputs per scale (default 128), or 'channel' for one scale per output "
+                         "channel (int4 without groups)")
+    ev.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help=KV_HELP + " (used by the exact-match tasks, which generate through the engine)")
+    ev.add_argument("--limit", type=int, default=None,
+                    help="the first N documents of each task (perplexity, agreement: N windows; default 64)")
+    ev.add_argument("--out", help="write the results as JSON to this file")
+    ev.add_argument("--baseline", help="a results file from an earlier run: exit 1 if a metric got worse than its "
+                                       "tolerance allows")
+    ev.set_defaults(func=cmd_eval)
 
     from minillm.bench import add_bench_command
     from minillm.book.grading.drills import add_drill_command

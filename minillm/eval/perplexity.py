@@ -1,5 +1,4 @@
-"""Quality gates: how much a change to the model (fewer KV heads, fewer bits) costs in quality (chapter 03),
-and whether a sampler draws from the distribution it claims to (chapter 07).
+"""Perplexity, and a chi-squared test of a sampler (chapters 03 and 07).
 
     ppl = perplexity(model, val_ids)    # exp(mean next-token cross-entropy), lower is better
     chi_squared_test(counts, probs)     # (statistic, degrees of freedom, p-value): do the counts fit probs?

@@ -1,0 +1,16 @@
+"""Measuring quality, and gating changes on it (chapters 03, 07 and 09).
+
+    perplexity       exp(mean next-token cross-entropy) over the validation split; a chi-squared test of a sampler
+    tasks            log-likelihood multiple choice and exact match over small local task files (lm-eval's conventions)
+    agreement        top-1 agreement and KL divergence of a model's next-token distributions against a reference's
+    gate             a candidate's results against a baseline's, metric by metric, with tolerances: `minillm eval`
+    make_tasks       builds the book's task files from the validation split of the shipped corpus
+"""
+
+from minillm.eval.agreement import agreement
+from minillm.eval.gate import TOLERANCES, Row, compare, format_table
+from minillm.eval.perplexity import chi_squared_test, perplexity
+from minillm.eval.tasks import Task, exact_match, load_task, loglikelihood, multiple_choice
+
+__all__ = ["TOLERANCES", "Row", "Task", "agreement", "chi_squared_test", "compare", "exact_match", "format_table",
+           "load_task", "loglikelihood", "multiple_choice", "perplexity"]
