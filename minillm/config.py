@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 # Rotary scalings this engine implements (see `model.rope_inverse_frequencies`).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # The Hugging Face config.json name of each field, for error messages.
@@ -161,7 +161,7 @@ class ModelConfig:
         if "type" in rope and "rope_type" not in rope:  # the oldest spelling
             rope["rope_type"] = rope.pop("type")
         rope_type = rope.get("rope_type", "default")
-        if rope_type == "llama3":
+        if rope_type in ("llama3", "yarn"):
             rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
         scaling = None if rope_type == "default" else rope
 

@@ -145,6 +145,12 @@ def write_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype
     if qtype not in GGUF_TYPES:
         raise ValueError(f"the GGUF type must be one of {', '.join(GGUF_TYPES)}, got {qtype!r}.")
     c = model.config
+    scaling = (c.rope_scaling or {}).get("rope_type", "default")
+    if scaling != "default":
+        raise ValueError(f"this model scales its rotary frequencies ({scaling!r}), which minillm's GGUF writer does "
+                         "not record: llama.cpp would read the file with unscaled frequencies and answer "
+                         "differently past the original context. Convert it with llama.cpp's own "
+                         "convert_hf_to_gguf.py.")
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(c.max_seq_len)
     writer.add_embedding_length(c.dim)

@@ -59,7 +59,10 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
     Scalings: "linear" divides every frequency by `factor`; "llama3" (Llama 3.1+) divides only
     the low frequencies (wavelengths longer than original_context / low_freq_factor) by
-    `factor`, keeps the high ones, and blends smoothly in between.
+    `factor`, keeps the high ones, and blends smoothly in between; "yarn" (Peng et al., 2023) does the
+    same by how many turns a frequency makes over the original context: frequencies that turn more than
+    `beta_fast` times are kept, those that turn fewer than `beta_slow` times are divided by `factor`, with a
+    linear ramp over the dimensions between (its attention factor is `rope_attention_factor`).
     """
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -77,7 +80,39 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_mid, blended, scaled)
+    elif kind == "yarn":
+        factor = scaling.get("factor") or config.max_seq_len / scaling["original_max_position_embeddings"]
+        old_len = scaling["original_max_position_embeddings"]
+
+        def dim_turning(turns: float) -> float:  # the (fractional) dimension whose frequency turns `turns` times
+            return d * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)  # ramp 0: kept, 1: interpolated
     return inv_freq
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """YaRN's scale on cos and sin (so on every attention logit, squared): `attention_factor` if the config sets
+    it, else 0.1 ln(factor) + 1 (or DeepSeek's ratio of two such terms with `mscale`, `mscale_all_dim`); 1.0 for
+    every other scaling."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor") or config.max_seq_len / scaling["original_max_position_embeddings"]
+
+    def m(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return m(scaling["mscale"]) / m(scaling["mscale_all_dim"])
+    return m(1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,6 +122,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.attention_factor = rope_attention_factor(config)  # 1.0 except for YaRN
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
         # `model.to(torch.bfloat16)` would round the frequencies to bf16 and skew every angle:
@@ -102,7 +138,7 @@ class RotaryEmbedding(nn.Module):
         [-sin, +sin], so that `apply_rotary` is two multiplies and an add.
         """
         angles = positions[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [B, T, head_dim]
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
@@ -492,7 +528,7 @@ class Transformer(nn.Module):
         positions = positions.expand(B, T)
         x = self.embed_tokens(tokens)  # [B, T, dim]
         fused = use_fused_kernels(x)
-        if fused:  # the fused rotary kernel computes its angles from the positions
+        if fused and self.rotary.attention_factor == 1.0:  # the fused kernel computes its angles from positions
             rope: Rope = RotaryPositions(positions.reshape(-1), self.rotary.inv_freq)
         else:
             rope = self.rotary(positions, x.dtype)

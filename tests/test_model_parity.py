@@ -23,6 +23,24 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,  # small, so the scaling bends frequencies we use
 }
 
+YARN_ROPE = {  # Qwen2.5's long-context setting, with an original context small enough to bend frequencies we use
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+YARN_MSCALE_ROPE = {  # DeepSeek's form: the attention factor from mscale / mscale_all_dim, the ramp untruncated
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+    "beta_fast": 16,
+    "beta_slow": 2,
+    "truncate": False,
+}
+
 CASES = {
     "llama-mha": ("llama", dict(num_key_value_heads=4)),
     "llama-gqa2": ("llama", dict(num_key_value_heads=2)),
@@ -33,6 +51,8 @@ CASES = {
     "llama-bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    "llama-yarn-rope": ("llama", dict(rope_parameters=YARN_ROPE)),
+    "qwen2-yarn-mscale": ("qwen2", dict(rope_parameters=YARN_MSCALE_ROPE)),
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral-window": ("mistral", dict(sliding_window=8)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
@@ -137,17 +157,19 @@ def test_cuda_matches_transformers(dtype):
     assert len(out.token_ids) == 8
 
 
-@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}])
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                  YARN_ROPE, YARN_MSCALE_ROPE, dict(YARN_ROPE, attention_factor=1.3)])
 def test_rope_frequencies_equal_transformers(rope):
-    """Scaled rotary frequencies equal transformers' own computation, element for element."""
+    """Scaled rotary frequencies (and YaRN's attention factor) equal transformers' own computation."""
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from minillm.model import rope_inverse_frequencies
+    from minillm.model import rope_attention_factor, rope_inverse_frequencies
 
     hf_config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, rope_parameters=dict(rope))
-    expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
     d = hf_config.to_dict()
     d["architectures"] = ["LlamaForCausalLM"]
-    got = rope_inverse_frequencies(minillm.ModelConfig.from_hf(d))
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    config = minillm.ModelConfig.from_hf(d)
+    torch.testing.assert_close(rope_inverse_frequencies(config), expected, rtol=1e-6, atol=0)
+    assert rope_attention_factor(config) == pytest.approx(expected_factor, rel=1e-9)
