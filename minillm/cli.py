@@ -6,6 +6,7 @@
     minillm grade PATH... [-j N] [--chapter NN] [--timeout S] [--memory-gb G] [--extra-tests DIR]
                   [--csv FILE] [--json FILE]
     minillm drill [--chapter NN] [--tag T] [--level L] [-n K] [--answers FILE]
+                  [--mock [--seed S] [--report FILE]]
     minillm book exercises [--check]
 
 Errors print one line (`minillm: error: ...`) and exit with status 1, without a traceback.

@@ -1,5 +1,5 @@
 """The drill bank: every drill valid, every numeric answer recomputed, the checker, the notebook card,
-the book page and the `minillm drill` quiz."""
+the book page, the `minillm drill` quiz and its timed mock interview (`--mock`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+import minillm.book.grading.drills as drills_module
 from minillm.book.grading.drills import (
+    KINDS,
     LEVELS,
+    MOCK_TARGET_S,
     Drill,
     DrillError,
     add_drill_command,
@@ -22,6 +25,7 @@ from minillm.book.grading.drills import (
     history_path,
     load_drills,
     load_history,
+    mock_selection,
     render_markdown,
 )
 
@@ -33,12 +37,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------------ the bank
 def test_task_bank_size_and_coverage():
-    assert len(ALL) >= 48, f"the bank holds {len(ALL)} drills; it needs at least 48"
+    assert len(ALL) >= 150, f"the bank holds {len(ALL)} drills; it needs at least 150"
     per_chapter = {c: sum(d.chapter == c for d in ALL) for c in CHAPTERS}
     thin = {c: n for c, n in per_chapter.items() if n < 4}
     assert not thin, f"every chapter needs at least 4 drills; these have fewer: {thin}"
-    for c in ("02", "06", "07"):
-        assert per_chapter[c] > 4, f"chapter {c} should have more than 4 drills"
+
+
+TWELVE_OR_MORE = CHAPTERS
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_task_every_chapter_has_12_drills_at_every_level_and_kind(chapter):
+    mine = [d for d in ALL if d.chapter == chapter]
+    if chapter in TWELVE_OR_MORE:
+        assert len(mine) >= 12, f"chapter {chapter} has {len(mine)} drills; an interview bank needs at least 12"
+    levels = {lv: sum(d.level == lv for d in mine) for lv in LEVELS}
+    assert all(levels.values()), f"chapter {chapter} needs drills at every level; it has {levels}"
+    kinds = {k: sum(d.kind == k for d in mine) for k in KINDS}
+    assert all(kinds.values()), f"chapter {chapter} needs numeric, choice and open drills; it has {kinds}"
 
 
 def test_task_ids_are_unique_and_prefixed_by_their_chapter():
@@ -137,6 +153,11 @@ def write_bank(folder: Path, drills: list[dict], name: str = "02_kv_cache.yaml",
         ({"choices": ["a", "b"]}, "choices", "does not belong to a numeric drill"),
         ({"compute": {"function": "os.system", "args": {}}}, "compute", "dotted path inside minillm"),
         ({"compute": {"function": "minillm.arithmetic.weight_bytes", "args": {"x": "80e9"}}}, "compute", "signed"),
+        ({"compute": {**GOOD["compute"], "divide_by": {"function": "os.getcwd"}}}, "compute",
+         "in `divide_by`: `function` must be a dotted path inside minillm"),
+        ({"compute": {**GOOD["compute"], "divide_by": {**GOOD["compute"], "divide_by": GOOD["compute"]}}},
+         "compute", "in `divide_by`: unknown key 'divide_by'"),
+        ({"compute": {**GOOD["compute"], "divide_by": 2}}, "compute", "in `divide_by`: must be a mapping"),
     ],
 )
 def test_task_malformed_drill_names_file_id_and_field(tmp_path, change, field, problem):
@@ -213,6 +234,19 @@ def test_choice_answers_in_other_forms():
     assert not ok and "a letter A-D or the text of one choice" in message
     ok, message = check_answer(d, "A")
     assert not ok and "the answer is B. 3 and 4 (you chose A)" in message
+
+
+def test_task_compute_divide_by_is_a_ratio_of_two_calls(tmp_path):
+    ratio = {**GOOD, "answer": 2.0, "unit": "x", "compute": {
+        "function": "minillm.arithmetic.weight_bytes", "args": {"config_or_n_params": 1e9},
+        "divide_by": {"function": "minillm.arithmetic.weight_bytes", "args": {"config_or_n_params": 1e9},
+                      "scale": 0.5}}}
+    (d,) = load_drills(directory=write_bank(tmp_path, [ratio]))
+    assert compute_answer(d) == pytest.approx(2.0)
+    page = render_markdown([d])
+    assert "(minillm.arithmetic.weight_bytes(config_or_n_params=1000000000.0)) ÷ (" in page and "× 0.5)" in page
+    real = get_drill("09.output-vs-input-gpu-time")
+    assert "divide_by" in real.compute and "prefill_time" in drill(real.id)._repr_html_()
 
 
 def test_compute_answer_refuses_other_kinds():
@@ -302,6 +336,8 @@ def test_scripted_quiz_respects_filters_and_json(home, tmp_path, capsys):
         (["--chapter", "00", "--tag", "speculative"], "no drills match --chapter 00 --tag speculative"),
         (["-n", "0"], "-n must be at least 1"),
         (["--answers", "missing.yaml"], "answers file missing.yaml not found"),
+        (["--seed", "3"], "--seed and --report belong to a mock interview; add --mock"),
+        (["--mock", "-n", "0"], "-n must be at least 1"),
     ],
 )
 def test_bad_quiz_options_are_a_one_line_error(home, argv, message, capsys):
@@ -333,7 +369,7 @@ def test_interactive_quiz(home, monkeypatch, capsys):
 def test_interactive_open_drill_is_self_assessed(home, monkeypatch, capsys):
     replies = iter(["B", "all heads share one KV head; replicated under TP", "y"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(replies))
-    assert run_drill(["--chapter", "03", "--level", "advanced"]) == 0
+    assert run_drill(["--chapter", "03", "--level", "advanced", "-n", "2"]) == 0
     out = capsys.readouterr().out
     assert "compare your answer with the key points" in out and "Score: 2/2" in out
     assert load_history()["03.mqa-risk"]["last"] == "right"
@@ -364,3 +400,110 @@ def test_corrupt_history_is_a_clear_error(home, tmp_path, capsys):
     answers.write_text("07.best-k: 6\n")
     assert run_drill(["--answers", str(answers)]) == 1
     assert "delete it to start afresh" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the mock interview
+@pytest.mark.parametrize("seed", range(20))
+def test_task_mock_selection_spreads_chapters_and_levels(seed):
+    picked = mock_selection(ALL, 10, seed=seed)
+    assert len({d.id for d in picked}) == 10
+    assert len({d.chapter for d in picked}) == 10, "ten questions from a ten-chapter bank must cover every chapter"
+    levels = [d.level for d in picked]
+    counts = [levels.count(lv) for lv in LEVELS]
+    assert max(counts) - min(counts) <= 1, f"the levels must be as even as possible; got {dict(zip(LEVELS, counts))}"
+    assert levels == sorted(levels, key=LEVELS.index), "a mock interview asks the easier levels first"
+    assert mock_selection(ALL, 10, seed=seed) == picked, "the same seed must give the same interview"
+
+
+def test_mock_selection_edges():
+    assert mock_selection(ALL, 10, seed=0) != mock_selection(ALL, 10, seed=1)
+    assert len(mock_selection(ALL[:3], 10, seed=0)) == 3
+    with pytest.raises(DrillError, match="at least 1 question"):
+        mock_selection(ALL, 0)
+
+
+def fake_clock(monkeypatch, times):
+    ticks = iter(times)
+    monkeypatch.setattr(drills_module, "_clock", lambda: next(ticks))
+
+
+def test_task_mock_interview_from_a_file_reports_by_level_tag_and_time(home, tmp_path, monkeypatch, capsys):
+    answers = tmp_path / "answers.yaml"
+    answers.write_text(yaml.safe_dump({
+        "01.temperature-limits": "C",              # intermediate, right
+        "00.weights-llama3-8b-bf16": 16.06,        # intermediate, right
+        "03.why-gqa": "A",                         # advanced, wrong
+        "01.top-p-min-p-count": "B",               # advanced, right
+        "03.tpot-after-gqa": "D",                  # expert, right
+        "00.usable-context": False,                # expert, open: self-assessed as missed
+    }))
+    fake_clock(monkeypatch, [150.0 * i for i in range(12)])  # every answer takes 150 s
+    report_file = tmp_path / "report.json"
+    assert run_drill(["--mock", "--answers", str(answers), "--seed", "5", "--report", str(report_file)]) == 0
+    out = capsys.readouterr().out
+    assert "Mock interview: 6 questions from 3 chapters (2 intermediate, 2 advanced, 2 expert), seed 5" in out
+    asked = [line.split()[1] for line in out.splitlines() if line.startswith("[") and "/6]" in line]
+    assert [get_drill(i).level for i in asked] == ["intermediate"] * 2 + ["advanced"] * 2 + ["expert"] * 2
+    assert "Mock interview report: 4/6 right (67%) in 15 min 00 s." in out
+    by_level = out.split("By level:")[1].split("By tag")[0]
+    assert "intermediate  2/2" in by_level and "advanced      1/2" in by_level and "expert        1/2" in by_level
+    by_tag = out.split("By tag (weakest first):")[1].split("By chapter:")[0].strip().splitlines()
+    assert by_tag[0].split()[:2] == ["evaluation", "0/1"] and any(t.split()[:2] == ["gqa", "1/2"] for t in by_tag)
+    assert out.count("(over the 2 min 00 s target)") == 2, "150 s is over the intermediate target only"
+    assert "Practise next: minillm drill --tag evaluation" in out
+    assert "Repeat this interview: minillm drill --mock --seed 5 -n 6" in out
+
+    report = json.loads(report_file.read_text())
+    assert report["version"] == 1 and report["seed"] == 5 and report["count"] == report["planned"] == 6
+    assert report["right"] == 4 and report["seconds"] == pytest.approx(900)
+    assert report["by_level"] == {lv: {"asked": 2, "right": r, "seconds": 300.0}
+                                  for lv, r in zip(LEVELS, (2, 1, 1))}
+    assert report["by_tag"]["sampling"] == {"asked": 2, "right": 2, "seconds": 300.0}
+    assert report["by_chapter"]["03"] == {"asked": 2, "right": 1, "seconds": 300.0}
+    assert [q["seconds"] for q in report["questions"]] == [150.0] * 6
+    assert [q["over_target"] for q in report["questions"]] == [True, True] + [False] * 4
+    assert load_history()["03.why-gqa"]["last"] == "wrong", "a mock interview also updates the drill history"
+
+
+def reply_for(d: Drill) -> list[str]:
+    if d.kind == "numeric":
+        return [f"{d.answer} {d.unit}"]
+    if d.kind == "choice":
+        return [d.answer_letter]
+    return ["an answer that covers the points", "y"]
+
+
+def test_task_mock_interview_interactive_times_each_answer(home, monkeypatch, capsys):
+    chosen = mock_selection(load_drills(chapter="01"), 3, seed=0)
+    replies = iter([r for d in chosen for r in reply_for(d)])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(replies))
+    fake_clock(monkeypatch, [0.0, 30.0, 1000.0, 1100.0, 2000.0, 2400.0])  # 30 s, 100 s, 400 s
+    assert run_drill(["--mock", "--chapter", "01", "-n", "3", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("[") and "/3]" in line] == \
+        [d.id for d in chosen]
+    assert "[answered in 30 s]" in out and "[answered in 1 min 40 s]" in out and "[answered in 6 min 40 s]" in out
+    assert "Mock interview report: 3/3 right (100%) in 8 min 50 s." in out
+    rows = out.split("Questions:")[1].strip().splitlines()[:3]
+    target = drills_module._duration(MOCK_TARGET_S[chosen[-1].level])
+    assert chosen[-1].id in rows[2] and f"6 min 40 s (over the {target} target)" in rows[2]
+    assert "over the" not in rows[0] + rows[1], "30 s and 100 s are within every level's target"
+    assert "Practise next" not in out
+
+
+def test_mock_interview_stops_early_and_reports_what_was_answered(home, monkeypatch, capsys):
+    chosen = mock_selection(load_drills(chapter="04"), 4, seed=2)
+    replies = iter([*reply_for(chosen[0]), "q"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(replies))
+    fake_clock(monkeypatch, [0.0, 12.0, 20.0, 21.0])
+    assert run_drill(["--mock", "--chapter", "04", "-n", "4", "--seed", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Mock interview report: 1/1 right (100%) in 12 s; 3 of 4 questions not reached." in out
+
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    fake_clock(monkeypatch, [0.0, 1.0])
+    assert run_drill(["--mock", "--seed", "1"]) == 0
+    assert "Mock interview: no questions answered." in capsys.readouterr().out

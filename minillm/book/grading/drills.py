@@ -19,6 +19,8 @@ Drills live in `minillm/book/grading/drills/NN_<slug>.yaml`, one file per chapte
           args: {config: llama-2-7b, seq_len: 4096, batch: 8}
           attr: time_s                     # optional: take this attribute (or key) of the result
           scale: 1.0e-9                    # optional: multiply the result (here bytes -> GB)
+          divide_by:                       # optional: a second call (function, args, attr, scale)
+            function: ...                  #   whose value divides the first: a ratio of two computations
         explanation: 2 x 32 x 32 x 128 x 2 bytes ...
 
 A `choice` drill has `choices` (a list of strings) and `answer` equal to the correct one; an
@@ -31,7 +33,8 @@ Use from a notebook:
     drill("02.kv-llama2-7b-4k-b8")               # the question; the answer behind "Reveal the answer"
     drill("02.kv-llama2-7b-4k-b8").check("17 GB")
 
-and from a terminal: `minillm drill --chapter 02` (see `add_drill_command`).
+and from a terminal: `minillm drill --chapter 02`, or a timed mock interview of drills drawn across
+chapters and levels, `minillm drill --mock` (see `add_drill_command`).
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ import importlib
 import json
 import math
 import os
+import random
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +65,7 @@ HISTORY_FILE = "drill_history.json"
 
 _FIELDS = {"id", "chapter", "level", "kind", "tags", "question", "answer", "explanation",
            "unit", "tolerance", "choices", "key_points", "compute"}
-_COMPUTE_FIELDS = {"function", "args", "attr", "scale"}
+_COMPUTE_FIELDS = {"function", "args", "attr", "scale", "divide_by"}
 _FILE_RE = re.compile(r"^(\d\d)_[a-z0-9_]+\.yaml$")
 _TAG_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 _FLOAT_TEXT_RE = re.compile(r"^[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?$")
@@ -132,6 +137,30 @@ def _str_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v.strip() for v in value)
 
 
+def _compute_problem(spec: object, nested: bool) -> str | None:
+    """What is wrong with a `compute` mapping (or its `divide_by`), or None if it is well formed."""
+    keys = _COMPUTE_FIELDS - {"divide_by"} if nested else _COMPUTE_FIELDS
+    if not isinstance(spec, dict):
+        return "must be a mapping with `function` and `args`."
+    extra = set(spec) - keys
+    if extra:
+        return f"unknown key {sorted(extra)[0]!r}; the keys are {', '.join(sorted(keys))}."
+    fn = spec.get("function")
+    if not isinstance(fn, str) or not re.fullmatch(r"minillm(\.\w+)+", fn):
+        return f"`function` must be a dotted path inside minillm, got {fn!r}."
+    if not isinstance(spec.get("args", {}), dict):
+        return "`args` must be a mapping of keyword arguments."
+    for name, value in spec.get("args", {}).items():
+        if isinstance(value, str) and _FLOAT_TEXT_RE.match(value):
+            return (f"argument {name}={value!r} was read as text: YAML needs a dot and a signed exponent for a "
+                    "float, e.g. 80.0e+9.")
+    if "attr" in spec and not isinstance(spec["attr"], str):
+        return "`attr` must be an attribute name."
+    if "scale" in spec and not _is_number(spec["scale"]):
+        return "`scale` must be a number."
+    return None
+
+
 def _parse_drill(raw: object, index: int, chapter: str, title: str, source: str) -> Drill:
     if not isinstance(raw, dict):
         raise _fail(source, f"#{index + 1}", None, "each entry of `drills` must be a mapping of fields.")
@@ -181,24 +210,12 @@ def _parse_drill(raw: object, index: int, chapter: str, title: str, source: str)
         if not _is_number(tol) or not 0 < tol < 1:
             raise fail("tolerance", f"must be a relative tolerance in (0, 1), e.g. 0.02; got {tol!r}.")
         compute = raw["compute"]
-        if not isinstance(compute, dict):
-            raise fail("compute", "must be a mapping with `function` and `args`.")
-        extra = set(compute) - _COMPUTE_FIELDS
-        if extra:
-            raise fail("compute", f"unknown key {sorted(extra)[0]!r}; the keys are function, args, attr, scale.")
-        fn = compute.get("function")
-        if not isinstance(fn, str) or not re.fullmatch(r"minillm(\.\w+)+", fn):
-            raise fail("compute", f"`function` must be a dotted path inside minillm, got {fn!r}.")
-        if not isinstance(compute.get("args", {}), dict):
-            raise fail("compute", "`args` must be a mapping of keyword arguments.")
-        for name, value in compute.get("args", {}).items():
-            if isinstance(value, str) and _FLOAT_TEXT_RE.match(value):
-                raise fail("compute", f"argument {name}={value!r} was read as text: YAML needs a dot and a "
-                                      "signed exponent for a float, e.g. 80.0e+9.")
-        if "attr" in compute and not isinstance(compute["attr"], str):
-            raise fail("compute", "`attr` must be an attribute name.")
-        if "scale" in compute and not _is_number(compute["scale"]):
-            raise fail("compute", "`scale` must be a number.")
+        problem = _compute_problem(compute, nested=False)
+        if problem is None and "divide_by" in compute:
+            inner = _compute_problem(compute["divide_by"], nested=True)
+            problem = None if inner is None else f"in `divide_by`: {inner}"
+        if problem is not None:
+            raise fail("compute", problem)
         answer = float(answer)
     elif kind == "choice":
         choices = raw["choices"]
@@ -324,21 +341,28 @@ def get_drill(drill_id: str, directory: str | Path | None = None) -> Drill:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_answer(drill: Drill) -> float:
-    """Evaluate a numeric drill's `compute` entry: function(**args), then .attr, then x scale."""
-    if drill.compute is None:
-        raise DrillError(f"drill {drill.id!r} is a {drill.kind} drill; only numeric drills have a computation.")
-    spec = drill.compute
+def _evaluate(drill_id: str, spec: dict[str, Any]) -> float:
     module_name, _, name = spec["function"].rpartition(".")
     try:
         func = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as e:
-        raise DrillError(f"drill {drill.id!r}: cannot find {spec['function']}: {e}") from None
+        raise DrillError(f"drill {drill_id!r}: cannot find {spec['function']}: {e}") from None
     result = func(**spec.get("args", {}))
     if "attr" in spec:
         attr = spec["attr"]
         result = result[attr] if isinstance(result, dict) else getattr(result, attr)
     return float(result) * float(spec.get("scale", 1.0))
+
+
+def compute_answer(drill: Drill) -> float:
+    """Evaluate a numeric drill's `compute` entry: function(**args), then .attr, then x scale; divided by
+    the same evaluation of its `divide_by` entry when it has one (a ratio of two computations)."""
+    if drill.compute is None:
+        raise DrillError(f"drill {drill.id!r} is a {drill.kind} drill; only numeric drills have a computation.")
+    value = _evaluate(drill.id, drill.compute)
+    if "divide_by" in drill.compute:
+        value /= _evaluate(drill.id, drill.compute["divide_by"])
+    return value
 
 
 def _fmt(x: float | str) -> str:
@@ -448,14 +472,19 @@ def check_answer(drill: Drill, response: str | float) -> tuple[bool, str]:
 
 
 def _compute_call(drill: Drill) -> str:
+    def one(spec: dict[str, Any]) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in spec.get("args", {}).items())
+        call = f"{spec['function']}({args})"
+        if "attr" in spec:
+            call += f".{spec['attr']}"
+        if "scale" in spec:
+            call += f" × {spec['scale']:g}"
+        return call
+
     spec = drill.compute or {}
-    args = ", ".join(f"{k}={v!r}" for k, v in spec.get("args", {}).items())
-    call = f"{spec['function']}({args})"
-    if "attr" in spec:
-        call += f".{spec['attr']}"
-    if "scale" in spec:
-        call += f" × {spec['scale']:g}"
-    return call
+    if "divide_by" not in spec:
+        return one(spec)
+    return f"({one(spec)}) ÷ ({one(spec['divide_by'])})"
 
 
 class DrillCard:
@@ -630,6 +659,11 @@ def _ask(prompt: str) -> str | None:
         return None
 
 
+def _clock() -> float:
+    """Seconds on a monotonic clock: how the mock interview times an answer (tests replace it)."""
+    return time.monotonic()
+
+
 def _score_open(drill: Drill, response: Any, interactive: bool) -> tuple[bool, str] | None:
     if isinstance(response, bool):  # an answers file may give the self-assessment directly
         points = "\n".join(f"  - {p}" for p in drill.key_points)
@@ -645,69 +679,103 @@ def _score_open(drill: Drill, response: Any, interactive: bool) -> tuple[bool, s
     return ok, message
 
 
+def _show(drill: Drill, i: int, total: int, note: str = "") -> None:
+    print(f"\n[{i}/{total}] {drill.id} ({drill.level}; {', '.join(drill.tags)}){note}")
+    print(drill.question)
+    if drill.kind == "choice":
+        for j, c in enumerate(drill.choices):
+            print(f"  {chr(ord('A') + j)}. {c}")
+
+
+def _is_quit(response: str) -> bool:
+    return response.strip().lower() in ("q", "quit")
+
+
+def _response(drill: Drill, answers: dict[str, Any] | None) -> Any | None:
+    """The reader's answer to `drill`: from the answers file, else typed (asked again until it can be
+    graded). None when the reader stops (q, or the end of input)."""
+    if answers is not None:
+        print(f"> {answers[drill.id]}")
+        return answers[drill.id]
+    hint = {"numeric": f"in {drill.unit}", "choice": "a letter", "open": "a sentence or two"}[drill.kind]
+    response = _ask(f"Your answer ({hint}; q to stop): ")
+    while response is not None and not _is_quit(response):
+        problem = _unreadable(drill, response) if response.strip() else None
+        if problem is None:
+            return response
+        response = _ask(f"{problem[0].upper()}{problem[1:]} Try again: ")
+    print()
+    return None
+
+
+def _grade(drill: Drill, response: Any, interactive: bool) -> bool | None:
+    """Check `response`, print the verdict and the explanation; None if the reader stopped mid-way."""
+    if drill.kind == "open":
+        scored = _score_open(drill, response, interactive)
+        if scored is None:
+            return None
+        ok, message = scored
+    else:
+        ok, message = check_answer(drill, response)
+    print(("✓ " if ok else "✗ ") + message)
+    print(drill.explanation)
+    return ok
+
+
+def _remember(history: dict[str, dict[str, Any]], path: Path, drill: Drill, ok: bool) -> None:
+    h = history.setdefault(drill.id, {"attempts": 0, "right": 0})
+    h["attempts"] += 1
+    h["right"] += int(ok)
+    h["last"] = "right" if ok else "wrong"
+    h["last_time"] = time.time()
+    save_history(history, path)
+
+
+def _quiz_drills(args: argparse.Namespace) -> tuple[list[Drill], dict[str, Any] | None]:
+    """The drills the options select and the answers file's answers (None without one); DrillError if none."""
+    drills = load_drills(chapter=args.chapter, tag=args.tag, level=args.level)
+    if not drills:
+        given = " ".join(f"--{k} {v}" for k, v in (("chapter", args.chapter), ("tag", args.tag),
+                                                  ("level", args.level)) if v is not None)
+        raise DrillError(f"no drills match {given}; loosen the filters.")
+    if args.n is not None and args.n < 1:
+        raise DrillError(f"-n must be at least 1, got {args.n}.")
+    if not args.mock and (args.seed is not None or args.report):
+        raise DrillError("--seed and --report belong to a mock interview; add --mock.")
+    answers = None
+    if args.answers:
+        answers = _read_answers(args.answers, load_drills())
+        drills = [d for d in drills if d.id in answers]
+        if not drills:
+            raise DrillError(f"none of the drills in {args.answers} match the filters given.")
+    return drills, answers
+
+
 def cmd_drill(args: argparse.Namespace) -> int:
     """The `minillm drill` handler: quiz, score, explain, and remember the results. Returns an exit code."""
     try:
-        drills = load_drills(chapter=args.chapter, tag=args.tag, level=args.level)
-        if not drills:
-            given = " ".join(f"--{k} {v}" for k, v in (("chapter", args.chapter), ("tag", args.tag),
-                                                      ("level", args.level)) if v is not None)
-            raise DrillError(f"no drills match {given}; loosen the filters.")
-        if args.n is not None and args.n < 1:
-            raise DrillError(f"-n must be at least 1, got {args.n}.")
-        answers = None
-        if args.answers:
-            answers = _read_answers(args.answers, load_drills())
-            drills = [d for d in drills if d.id in answers]
-            if not drills:
-                raise DrillError(f"none of the drills in {args.answers} match the filters given.")
+        drills, answers = _quiz_drills(args)
         path = history_path()
         history = load_history(path)
     except DrillError as e:
         print(f"minillm drill: error: {e}", file=sys.stderr)
         return 1
+    if args.mock:
+        return _mock_interview(args, drills, answers, history, path)
 
     selected = quiz_order(drills, history)
     limit = args.n if args.n is not None else (len(selected) if answers is not None else 10)
     selected = selected[:limit]
     asked = right = 0
     for i, d in enumerate(selected, 1):
-        print(f"\n[{i}/{len(selected)}] {d.id} ({d.level}; {', '.join(d.tags)})")
-        print(d.question)
-        if d.kind == "choice":
-            for j, c in enumerate(d.choices):
-                print(f"  {chr(ord('A') + j)}. {c}")
-        if answers is not None:
-            response = answers[d.id]
-            print(f"> {response}")
-        else:
-            hint = {"numeric": f"in {d.unit}", "choice": "a letter", "open": "a sentence or two"}[d.kind]
-            response = _ask(f"Your answer ({hint}; q to stop): ")
-            while response is not None and response.strip().lower() not in ("q", "quit"):
-                problem = _unreadable(d, response) if response.strip() else None
-                if problem is None:
-                    break
-                response = _ask(f"{problem[0].upper()}{problem[1:]} Try again: ")
-            if response is None or response.strip().lower() in ("q", "quit"):
-                print()
-                break
-        if d.kind == "open":
-            scored = _score_open(d, response, interactive=answers is None)
-            if scored is None:
-                break
-            ok, message = scored
-        else:
-            ok, message = check_answer(d, response)
-        print(("✓ " if ok else "✗ ") + message)
-        print(d.explanation)
+        _show(d, i, len(selected))
+        response = _response(d, answers)
+        ok = None if response is None else _grade(d, response, interactive=answers is None)
+        if ok is None:
+            break
         asked += 1
         right += ok
-        h = history.setdefault(d.id, {"attempts": 0, "right": 0})
-        h["attempts"] += 1
-        h["right"] += int(ok)
-        h["last"] = "right" if ok else "wrong"
-        h["last_time"] = time.time()
-        save_history(history, path)
+        _remember(history, path, d, ok)
 
     if asked:
         print(f"\nScore: {right}/{asked} ({right / asked:.0%}). History: {path}")
@@ -716,23 +784,180 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The mock interview: `minillm drill --mock`
+# ---------------------------------------------------------------------------------------------
+
+# The time an interviewer would allow an answer, by level; a mock interview flags answers that take longer.
+MOCK_TARGET_S = {"intermediate": 120.0, "advanced": 240.0, "expert": 360.0}
+
+
+@dataclass
+class MockAnswer:
+    """One answered question of a mock interview: the drill, whether it was right, and the seconds it took."""
+
+    drill: Drill
+    right: bool
+    seconds: float
+
+
+def mock_selection(drills: list[Drill], n: int = 10, seed: int = 0) -> list[Drill]:
+    """`n` drills for a mock interview, the same for the same `seed`: spread over chapters first, then levels.
+
+    The drills are shuffled with `seed`; each pick is the first drill, in that order, of a chapter asked
+    least so far and, among those, of a level asked least so far. So ten picks from a bank of ten chapters
+    cover all ten, with the levels as even as the chapters allow. Returned easiest level first (a warm-up,
+    as interviews go), in pick order within a level. Fewer than `n` drills give all of them.
+    """
+    if n < 1:
+        raise DrillError(f"a mock interview needs at least 1 question, got {n}.")
+    pool = list(drills)
+    random.Random(seed).shuffle(pool)
+    per_chapter: Counter[str] = Counter()
+    per_level: Counter[str] = Counter()
+    picked: list[Drill] = []
+    while pool and len(picked) < n:
+        d = min(pool, key=lambda x: (per_chapter[x.chapter], per_level[x.level]))  # first of the least asked
+        pool.remove(d)
+        picked.append(d)
+        per_chapter[d.chapter] += 1
+        per_level[d.level] += 1
+    return sorted(picked, key=lambda d: LEVELS.index(d.level))
+
+
+def _tally(answers: list[MockAnswer], keys: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for a in answers:
+        for key in keys(a.drill):
+            g = out.setdefault(key, {"asked": 0, "right": 0, "seconds": 0.0})
+            g["asked"] += 1
+            g["right"] += int(a.right)
+            g["seconds"] += a.seconds
+    return out
+
+
+def mock_report(answers: list[MockAnswer], planned: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """The score of a mock interview, as a JSON-ready mapping.
+
+    count, right and seconds overall; `planned` questions (answered or not) and the `seed`; by_level
+    (in LEVELS order), by_tag and by_chapter, each name -> {"asked", "right", "seconds"}; and questions,
+    one entry per answer: id, chapter, level, kind, tags, right, seconds, target_s and over_target
+    (seconds beyond `MOCK_TARGET_S` for its level).
+    """
+    by_level = _tally(answers, lambda d: [d.level])
+    return {
+        "seed": seed,
+        "planned": len(answers) if planned is None else planned,
+        "count": len(answers),
+        "right": sum(a.right for a in answers),
+        "seconds": sum(a.seconds for a in answers),
+        "by_level": {lv: by_level[lv] for lv in LEVELS if lv in by_level},
+        "by_tag": dict(sorted(_tally(answers, lambda d: d.tags).items())),
+        "by_chapter": dict(sorted(_tally(answers, lambda d: [d.chapter]).items())),
+        "questions": [
+            {"id": a.drill.id, "chapter": a.drill.chapter, "level": a.drill.level, "kind": a.drill.kind,
+             "tags": list(a.drill.tags), "right": a.right, "seconds": a.seconds,
+             "target_s": MOCK_TARGET_S[a.drill.level], "over_target": a.seconds > MOCK_TARGET_S[a.drill.level]}
+            for a in answers
+        ],
+    }
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s"
+
+
+def _score_line(name: str, g: dict[str, Any], width: int) -> str:
+    per = g["seconds"] / g["asked"]
+    return (f"  {name:<{width}} {g['right']:>2}/{g['asked']:<2} {g['right'] / g['asked']:>5.0%}"
+            f"   {_duration(g['seconds']):>12} in all, {_duration(per)} each")
+
+
+def format_mock_report(report: dict[str, Any]) -> str:
+    """The end-of-interview report printed by `minillm drill --mock`: totals, then scores by level, tag
+    (weakest first) and chapter, then every question with its time."""
+    n, right = report["count"], report["right"]
+    if not n:
+        return "Mock interview: no questions answered."
+    skipped = report["planned"] - n
+    lines = [f"Mock interview report: {right}/{n} right ({right / n:.0%}) in {_duration(report['seconds'])}"
+             + (f"; {skipped} of {report['planned']} questions not reached." if skipped else ".")]
+    lines += ["", "By level:"] + [_score_line(k, g, 12) for k, g in report["by_level"].items()]
+    tags = sorted(report["by_tag"].items(), key=lambda kv: (kv[1]["right"] / kv[1]["asked"], -kv[1]["asked"], kv[0]))
+    width = max(len(t) for t, _ in tags)
+    lines += ["", "By tag (weakest first):"] + [_score_line(t, g, width) for t, g in tags]
+    lines += ["", "By chapter:"] + [_score_line(c, g, 2) for c, g in report["by_chapter"].items()]
+    lines += ["", "Questions:"]
+    for i, q in enumerate(report["questions"], 1):
+        over = f" (over the {_duration(q['target_s'])} target)" if q["over_target"] else ""
+        lines.append(f"  {i:>2}. {'✓' if q['right'] else '✗'} {q['id']:<34} {q['level']:<12} "
+                     f"{_duration(q['seconds'])}{over}")
+    weakest, g = tags[0]
+    if g["right"] < g["asked"]:
+        lines += ["", f"Practise next: minillm drill --tag {weakest}"]
+    if report["seed"] is not None:
+        lines.append(f"Repeat this interview: minillm drill --mock --seed {report['seed']} -n {report['planned']}")
+    return "\n".join(lines)
+
+
+def _mock_interview(args: argparse.Namespace, drills: list[Drill], answers: dict[str, Any] | None,
+                    history: dict[str, dict[str, Any]], path: Path) -> int:
+    """Ask `mock_selection(...)` one question at a time, timing each answer; print the report at the end."""
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
+    chosen = mock_selection(drills, args.n if args.n is not None else 10, seed)
+    levels = Counter(d.level for d in chosen)
+    mix = ", ".join(f"{levels[lv]} {lv}" for lv in LEVELS if levels[lv])
+    print(f"Mock interview: {len(chosen)} questions from {len({d.chapter for d in chosen})} chapters ({mix}), "
+          f"seed {seed}. Each answer is timed against a target per level; q stops early.")
+    done: list[MockAnswer] = []
+    for i, d in enumerate(chosen, 1):
+        _show(d, i, len(chosen), f" · target {_duration(MOCK_TARGET_S[d.level])}")
+        start = _clock()
+        response = _response(d, answers)
+        seconds = _clock() - start
+        ok = None if response is None else _grade(d, response, interactive=answers is None)
+        if ok is None:
+            break
+        print(f"[answered in {_duration(seconds)}]")
+        done.append(MockAnswer(d, ok, seconds))
+        _remember(history, path, d, ok)
+    report = mock_report(done, planned=len(chosen), seed=seed)
+    print("\n" + format_mock_report(report))
+    if args.report:
+        out = Path(args.report)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), **report}, indent=1),
+                       encoding="utf-8")
+        print(f"Report written to {out}")
+    return 0
+
+
 def add_drill_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `minillm drill [--chapter N] [--tag T] [--level L] [-n K] [--answers FILE]` on an argparse
-    subparsers object; the handler (`cmd_drill`) is set as `func` and returns an exit code."""
+    """Register `minillm drill [--chapter N] [--tag T] [--level L] [-n K] [--answers FILE] [--mock [--seed S]
+    [--report FILE]]` on an argparse subparsers object; the handler (`cmd_drill`) is set as `func` and returns
+    an exit code."""
     p = subparsers.add_parser(
         "drill",
-        help="quiz yourself on the book's interview drills",
+        help="quiz yourself on the book's interview drills, or sit a timed mock interview",
         description="Ask the book's interview drills, check and explain each answer, and keep score. Drills you "
-                    "missed last time come first. Results are kept in $MINILLM_HOME/drill_history.json.",
+                    "missed last time come first. With --mock, a timed mock interview: K drills (default 10) "
+                    "drawn with a seed across chapters and levels, each answer timed, and a report by level, "
+                    "tag and chapter at the end. Results are kept in $MINILLM_HOME/drill_history.json.",
     )
     p.add_argument("--chapter", help="only this chapter, e.g. 02")
     p.add_argument("--tag", help="only drills with this tag, e.g. kv-cache")
     p.add_argument("--level", help=f"only this level: {', '.join(LEVELS)}")
     p.add_argument("-n", type=int, default=None, metavar="K",
-                   help="ask at most K drills (default 10; with --answers, every drill in the file)")
+                   help="ask at most K drills (default 10; with --answers and no --mock, every drill in the file)")
     p.add_argument("--answers", metavar="FILE",
                    help="answer from a YAML or JSON file mapping drill id -> answer, without a terminal "
                         "(for an open drill, true/false records your self-assessment)")
+    p.add_argument("--mock", action="store_true",
+                   help="a timed mock interview: drills mixed across chapters and levels, scored at the end")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --mock: the seed that picks the questions (printed, so an interview can be repeated)")
+    p.add_argument("--report", metavar="FILE", help="with --mock: also write the report as JSON to FILE")
     p.set_defaults(func=cmd_drill)
     return p
 
@@ -741,19 +966,24 @@ __all__ = [
     "DRILLS_DIR",
     "KINDS",
     "LEVELS",
+    "MOCK_TARGET_S",
     "Drill",
     "DrillCard",
     "DrillError",
+    "MockAnswer",
     "add_drill_command",
     "check_answer",
     "cmd_drill",
     "compute_answer",
     "drill",
+    "format_mock_report",
     "get_drill",
     "history_path",
     "load_drills",
     "load_history",
     "minillm_home",
+    "mock_report",
+    "mock_selection",
     "quiz_order",
     "render_markdown",
     "save_history",
