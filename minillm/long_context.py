@@ -145,7 +145,7 @@ def accuracy(model: Transformer, s: LookupSettings, length: int, n: int = 256, d
 def rescaled(model: Transformer, kind: str, factor: float) -> Transformer:
     """The same weights with the rotary frequencies rescaled for a context `factor` times the training one,
     without retraining: "linear", "ntk" (base x factor^(d/(d-2))), "yarn" or "llama3" (as config.json sets them,
-    read by `ModelConfig`), or "none". A new module sharing the weights."""
+    read by `ModelConfig`), or "none". A new module with a copy of the weights."""
     c = model.config
     old = c.max_seq_len
     if kind == "none":
@@ -160,7 +160,7 @@ def rescaled(model: Transformer, kind: str, factor: float) -> Transformer:
             scaling |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
         config = dataclasses.replace(c, rope_scaling=scaling, max_seq_len=int(old * factor))
     out = Transformer(config)
-    out.load_state_dict(model.state_dict(), strict=False)
+    out.load_state_dict(model.state_dict())
     return out.eval()
 
 

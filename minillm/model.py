@@ -81,8 +81,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_mid, blended, scaled)
     elif kind == "yarn":
-        factor = scaling.get("factor") or config.max_seq_len / scaling["original_max_position_embeddings"]
-        old_len = scaling["original_max_position_embeddings"]
+        factor, old_len = _yarn_factor(config), scaling["original_max_position_embeddings"]
 
         def dim_turning(turns: float) -> float:  # the (fractional) dimension whose frequency turns `turns` times
             return d * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
@@ -96,6 +95,12 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    """YaRN's context factor: `factor`, or (DeepSeek's configs leave it out) max context / original context."""
+    scaling = config.rope_scaling
+    return scaling.get("factor") or config.max_seq_len / scaling["original_max_position_embeddings"]
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
     """YaRN's scale on cos and sin (so on every attention logit, squared): `attention_factor` if the config sets
     it, else 0.1 ln(factor) + 1 (or DeepSeek's ratio of two such terms with `mscale`, `mscale_all_dim`); 1.0 for
@@ -105,7 +110,7 @@ def rope_attention_factor(config: ModelConfig) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor = scaling.get("factor") or config.max_seq_len / scaling["original_max_position_embeddings"]
+    factor = _yarn_factor(config)
 
     def m(scale: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
