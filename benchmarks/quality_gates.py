@@ -7,10 +7,21 @@ unchanged model, top-1 agreement and KL divergence. Each change is measured the 
 `minillm.eval.compare` at the book's tolerances:
 
 - weights: int8, fp8, nf4, int4 in groups of 128 and per channel, GPTQ and AWQ int4, int3 and int2 (groups of 128)
-- the KV cache in int8 and fp8 (only exact match, which generates through the engine, can see it: the other
-  metrics run full forwards without a cache)
+- the KV cache in int8 and fp8: the teacher-forced metrics read every key and value back from the engine's
+  quantised cache (`minillm.eval.ThroughKVCache`; a full forward keeps no cache and cannot see it), exact match
+  generates through the engine with it
+- the same KV caches on a "sensitive" model: the shipped model with key outlier channels planted (`with_key_outliers`,
+  the same function, keys scaled up by KEY_OUTLIER_FACTOR in one rotary pair per head, queries scaled down), against
+  its own baseline (that model, its cache in the model's dtype)
+- speculative decoding (the shipped draft model, k = 4) with the exact acceptance rule and with Medusa's lossy
+  "typical acceptance": teacher-forced metrics cannot see the verify rule (the model is unchanged), so these rows
+  are judged by what the engine generates, against the plain engine: exact match, and greedy agreement
+  (`greedy_agreement`: 200 prompts, 32 tokens each)
 
-    python benchmarks/quality_gates.py       # ~10 min on 2 cores; writes results/quality_gates_cpu.json
+A row compared with a baseline other than the shipped model's names it ("baseline": "baseline_key_outliers" or
+"baseline_engine"), beside the file's "baseline".
+
+    python benchmarks/quality_gates.py       # ~12 min on 2 cores; writes results/quality_gates_cpu.json
 """
 
 from __future__ import annotations
@@ -22,20 +33,60 @@ from common import write_results
 
 import minillm
 from minillm.engine import LLM
-from minillm.eval import agreement, compare, exact_match, load_task, multiple_choice, perplexity
+from minillm.engine.draft_model import DraftModelDrafter
+from minillm.eval import (
+    ThroughKVCache,
+    agreement,
+    compare,
+    exact_match,
+    greedy_agreement,
+    greedy_tokens,
+    load_task,
+    multiple_choice,
+    perplexity,
+    with_key_outliers,
+)
 from minillm.quant import quantize, quantize_by_name
 from minillm.quant.calibration import validation_ids
+from minillm.speculative import SpeculativeConfig
 
 WINDOWS = 64
+KEY_OUTLIER_FACTOR = 16.0  # the smallest power of two whose int8 KV fails top-1 agreement (a sweep of factors 1-64)
+KEY_OUTLIER_CHANNELS = (0,)  # one rotary pair per K/V head: channels 0 and head_dim / 2
+GREEDY_TOKENS = 32
+SPECULATIVE_TOKENS = 4
 
 
-def measure(model, tokenizer, reference, val_ids, kv_cache_dtype: str = "auto") -> dict:  # noqa: ANN001
-    """The gate's metrics for one model (and KV cache dtype)."""
+def measure(model, tokenizer, reference, val_ids, kv_cache_dtype: str = "auto",  # noqa: ANN001
+            through_cache: bool = False) -> dict:
+    """The gate's metrics for one model (and KV cache dtype); through_cache: score teacher-forced metrics through
+    the engine's KV cache, so that its dtype counts (`ThroughKVCache`)."""
+    scored = ThroughKVCache(model, kv_cache_dtype) if through_cache else model
     return {"results": {
-        "perplexity": {"perplexity": perplexity(model, val_ids, max_windows=WINDOWS)},
-        "next_line": multiple_choice(model, tokenizer, load_task("next_line")),
+        "perplexity": {"perplexity": perplexity(scored, val_ids, max_windows=WINDOWS)},
+        "next_line": multiple_choice(scored, tokenizer, load_task("next_line")),
         "last_word": exact_match(LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype), load_task("last_word")),
-        "agreement": agreement(model, reference, val_ids, max_windows=16)}}
+        "agreement": agreement(scored, reference, val_ids, max_windows=16)}}
+
+
+def measure_engine(llm: LLM, prompts: list[str], reference: list[list[int]]) -> dict:
+    """The metrics an engine change can move when the model is unchanged: exact match and greedy agreement."""
+    return {"results": {"last_word": exact_match(llm, load_task("last_word")),
+                        "greedy": greedy_agreement(llm, reference, prompts, GREEDY_TOKENS)}}
+
+
+def report(name: str, results: dict, baseline: dict) -> dict:
+    """Compare, print one line, and return the row for the results file."""
+    verdicts = compare(results, baseline)
+    failed = [f"{r.task}.{r.metric}" for r in verdicts if r.failed]
+    m = results["results"]
+    shown = [("ppl", "perplexity", "perplexity", "6.2f"), ("next_line", "next_line", "acc", ".3f"),
+             ("last_word", "last_word", "exact_match", ".3f"), ("top-1", "agreement", "top1_agreement", ".3f"),
+             ("KL", "agreement", "kl_divergence", ".4f"), ("greedy", "greedy", "greedy_match", ".3f"),
+             ("prefix", "greedy", "greedy_prefix", ".3f")]
+    cells = [f"{label} {m[task][metric]:{fmt}}" for label, task, metric, fmt in shown if task in m]
+    print(f"{name:<24} {'  '.join(cells)}  -> {'FAIL ' + ', '.join(failed) if failed else 'pass'}", flush=True)
+    return {"results": results["results"], "failed": failed}
 
 
 def main() -> None:
@@ -62,19 +113,49 @@ def main() -> None:
         if change is not None:
             change(model)
         kv = name.split()[1] if name.startswith("kv ") else "auto"
-        results = measure(model, tokenizer, reference, val_ids, kv)
-        verdicts = compare(results, baseline)
-        failed = [f"{r.task}.{r.metric}" for r in verdicts if r.failed]
-        rows[name] = {"results": results["results"], "failed": failed}
-        m = results["results"]
-        print(f"{name:<17} ppl {m['perplexity']['perplexity']:6.2f}  next_line {m['next_line']['acc']:.3f}  "
-              f"last_word {m['last_word']['exact_match']:.3f}  top-1 {m['agreement']['top1_agreement']:.3f}  "
-              f"KL {m['agreement']['kl_divergence']:.4f}  -> {'FAIL ' + ', '.join(failed) if failed else 'pass'}",
-              flush=True)
+        results = measure(model, tokenizer, reference, val_ids, kv, through_cache=kv != "auto")
+        rows[name] = report(name, results, baseline)
+
+    # The sensitive model: the same function, keys with outlier channels; its own baseline, its cache unquantised.
+    outliers = with_key_outliers(reference, KEY_OUTLIER_FACTOR, KEY_OUTLIER_CHANNELS)
+    outlier_baseline = measure(outliers, tokenizer, reference, val_ids, "auto", through_cache=True)
+    report("key outliers, kv auto", outlier_baseline, baseline)
+    for kv in ("int8", "fp8"):
+        results = measure(outliers, tokenizer, reference, val_ids, kv, through_cache=True)
+        rows[f"kv {kv} (key outliers)"] = report(f"kv {kv} (key outliers)", results, outlier_baseline) | {
+            "baseline": "baseline_key_outliers"}
+
+    # Speculative decoding: the model is unchanged, the engine's verify rule is what changes.
+    drafter_model, _ = minillm.load(minillm.DEFAULT_DRAFT)
+    prompts = [d["context"] for d in load_task("last_word").docs]
+    plain = LLM(reference, tokenizer)
+    reference_tokens = greedy_tokens(plain, prompts, GREEDY_TOKENS)
+    # The plain engine again: its prefix cache now holds the prompts, so it computes them in other shapes, and one
+    # prompt whose top two logits tie (to ~1e-6) turns the other way: greedy agreement's noise floor, 0.995 here.
+    engine_baseline = measure_engine(plain, prompts, reference_tokens)
+    for acceptance in ("exact", "typical"):
+        spec = SpeculativeConfig(DraftModelDrafter(drafter_model), SPECULATIVE_TOKENS, acceptance=acceptance)
+        llm = LLM(reference, tokenizer, speculative=spec)
+        results = measure_engine(llm, prompts, reference_tokens)
+        stats = llm.engine.spec_stats
+        results["results"]["speculative"] = {"acceptance_rate": stats.acceptance_rate,
+                                             "tokens_per_step": stats.tokens_per_step}
+        name = f"speculative {acceptance}"
+        rows[name] = report(name, results, engine_baseline) | {"baseline": "baseline_engine"}
+        print(f"{'':<24} acceptance rate {stats.acceptance_rate:.3f}, {stats.tokens_per_step:.2f} tokens per "
+              "target forward", flush=True)
+
     path = write_results("quality_gates_cpu", {
         "benchmark": "the book's quality gate over the book's changes to the shipped model",
-        "settings": {"model": minillm.DEFAULT_MODEL, "perplexity_windows": WINDOWS, "agreement_windows": 16},
-        "baseline": baseline["results"], "changes": rows})
+        "settings": {"model": minillm.DEFAULT_MODEL, "perplexity_windows": WINDOWS, "agreement_windows": 16,
+                     "kv_rows_scored_through_cache": True, "key_outlier_factor": KEY_OUTLIER_FACTOR,
+                     "key_outlier_channels": list(KEY_OUTLIER_CHANNELS), "draft_model": minillm.DEFAULT_DRAFT,
+                     "num_speculative_tokens": SPECULATIVE_TOKENS, "greedy_prompts": len(prompts),
+                     "greedy_max_tokens": GREEDY_TOKENS},
+        "baseline": baseline["results"],
+        "baseline_key_outliers": outlier_baseline["results"],
+        "baseline_engine": engine_baseline["results"],
+        "changes": rows})
     print("wrote", path)
 
 

@@ -31,10 +31,11 @@ from common import write_results
 import minillm
 from minillm import arithmetic
 from minillm.engine import LLM
+from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.sampling import SamplingParams
-from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
+from minillm.speculative import NgramDrafter, SpeculativeConfig
 
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder window breaks?\n",

@@ -76,9 +76,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from minillm.constrained import TokenIndex, json_object_regex
+from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sampling import SamplingParams
-from minillm.speculative import DraftModelDrafter, NgramDrafter, SpeculativeConfig
+from minillm.speculative import NgramDrafter, SpeculativeConfig
 
 if TYPE_CHECKING:  # imported where --disaggregate builds one: a one-process server never loads it
     from minillm.disagg import DisaggregatedEngine

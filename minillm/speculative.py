@@ -21,10 +21,14 @@ decoding's, token for token.
 The pieces:
 
 * `residual_distribution`, `verify`, `verify_greedy`: the acceptance rule on probability rows.
+  `verify_typical` is a LOSSY alternative, Medusa's "typical acceptance" (`SpeculativeConfig(acceptance=
+  "typical")`): it accepts any draft the target finds plausible enough, so more drafts pass, but the output is
+  no longer the target's own; chapter 09's quality gate (`minillm.eval.cached.greedy_agreement`) catches it.
 * `Draft` and the `Drafter` interface: `propose` k tokens for each of a batch of sequences, and
   `release` a finished one. Two drafters:
   - `DraftModelDrafter`: a small model of the same vocabulary (the shipped `DEFAULT_DRAFT`), with
-    its own paged KV cache, rolled back to whatever the target accepted;
+    its own paged KV cache, rolled back to whatever the target accepted. It runs on the engine's cache, so it
+    lives in the engine, `minillm.engine.draft_model` (this module stays free of the engine, which imports it);
   - `NgramDrafter`: prompt lookup, no second model: if the last n tokens appeared earlier in the
     context, propose what followed them then.
   A Medusa- or EAGLE-style head is a third kind of drafter: it proposes from the target's own hidden
@@ -42,18 +46,12 @@ with a draft of relative cost c are `minillm.arithmetic.expected_tokens_per_step
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from minillm.arithmetic import kv_blocks
-from minillm.engine.block_manager import BLOCK_SIZE, NoFreeBlocksError
-from minillm.engine.kv_cache import PagedKVCache
-from minillm.engine.model_runner import paged_forward
-from minillm.model import Transformer
 from minillm.sampling import SamplingParams, process_logits
 
 
@@ -119,6 +117,51 @@ def verify_greedy(target_tokens: Sequence[int], draft_tokens: Sequence[int]) -> 
             break
         out.append(int(x))
     return out + [int(target_tokens[len(out)])]
+
+
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults: posterior_threshold, posterior_alpha (its square root)
+
+
+def verify_typical(p: torch.Tensor, draft_tokens: Sequence[int], greedy: bool, epsilon: float = TYPICAL_EPSILON,
+                   delta: float = TYPICAL_DELTA, generator: torch.Generator | None = None) -> list[int]:
+    """LOSSY: Medusa's "typical acceptance" (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework
+    with Multiple Decoding Heads", section 3.3.1): accept drafts while the target finds them plausible enough.
+
+    Draft x_i is accepted, in order, while
+
+        p_i(x_i) > min(epsilon, delta * exp(-H(p_i)))        H(p_i) = -sum_v p_i(v) log p_i(v), in nats
+
+    a threshold that falls where the target is unsure (high entropy): there, any reasonably likely token passes.
+    At the first rejection (or after all k) the target's own token follows: its argmax for a greedy row, a sample
+    of p for the others. The drafter's q plays no part.
+
+    This is NOT speculative sampling: the output is no longer distributed as the target's own (`verify` is), and a
+    greedy row no longer gets greedy decoding's tokens (`verify_greedy` does). It trades that for more accepted
+    drafts per step. With delta < 1 the argmax always passes (max_v p(v) >= exp(-H(p))), so it accepts every draft
+    `verify_greedy` accepts, and more. Medusa's reference code falls back to exact matching at temperature 0;
+    here a greedy row is judged by p as `target_probabilities` gives it, the untempered distribution (vLLM's v0
+    engine offered the rule as spec_decoding_acceptance_method="typical_acceptance_sampler").
+
+    Args:
+        p: [k + 1, V] the target's probabilities at the k draft positions and after the last one.
+        draft_tokens: the k proposed ids.
+        greedy: whether the row decodes greedily (the closing token is p's argmax, else a sample of p).
+        epsilon, delta: the hard threshold and the entropy-scaled one; lower accepts more.
+        generator: the row's random generator (sampled rows only).
+
+    Returns:
+        draft_tokens[:a] + [y], between 1 and k + 1 tokens.
+    """
+    k = len(draft_tokens)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"p must have one row per draft token plus one, {k + 1}, got {p.shape[0]}.")
+    entropy = -(p * p.clamp(min=torch.finfo(p.dtype).tiny).log()).sum(dim=-1)  # [k + 1] nats
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)  # min(epsilon, delta exp(-H))
+    a = 0
+    while a < k and float(p[a, draft_tokens[a]]) > float(threshold[a]):
+        a += 1
+    y = int(p[a].argmax()) if greedy else int(torch.multinomial(p[a], 1, generator=generator))
+    return [int(t) for t in draft_tokens[:a]] + [y]
 
 
 def target_probabilities(
@@ -195,84 +238,6 @@ class NgramDrafter:
         pass
 
 
-class DraftModelDrafter:
-    """A small model of the target's vocabulary drafts k tokens autoregressively, on its own paged KV cache.
-
-    Each `propose` rolls the draft's cache back to the longest prefix it shares with the context (the
-    target may have rejected some of the last drafts), runs the rest of the context in one forward,
-    then k - 1 decode steps: k forwards for k drafts. Greedy rows draft the argmax (q one-hot); the
-    others sample from q, the draft's logits under the row's temperature, top-k, top-p and min-p.
-    Penalties are left out of q: any q keeps the output exact, a closer q only raises acceptance.
-
-    Args:
-        model: the draft model; its vocabulary must be the target's.
-        num_blocks: blocks in the draft's KV pool (default: 64 sequences of its full context). A row the
-            pool cannot hold gets an empty draft (a plain decode step) instead of an error.
-    """
-
-    def __init__(self, model: Transformer, num_blocks: int | None = None, block_size: int = BLOCK_SIZE) -> None:
-        self.model = model
-        if num_blocks is None:
-            num_blocks = 64 * kv_blocks(model.config.max_seq_len, block_size)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
-                                  enable_prefix_caching=False)
-
-    def release(self, seq_id: Hashable) -> None:
-        if seq_id in self.cache.block_tables:
-            self.cache.free(seq_id)
-
-    def _catch_up(self, seq_id: Hashable, context: list[int]) -> list[int]:
-        """Roll the cache back to its longest common prefix with context[:-1]; the tokens left to run."""
-        if seq_id not in self.cache.block_tables:
-            self.cache.add_sequence(seq_id)
-        cached = self.cache.block_tables[seq_id].token_ids
-        keep = 0
-        limit = min(len(cached), len(context) - 1)  # at least the last token runs: its logits draft x_1
-        while keep < limit and cached[keep] == context[keep]:
-            keep += 1
-        self.cache.truncate(seq_id, keep)
-        return context[keep:]
-
-    @torch.inference_mode()
-    def propose(self, seq_ids, contexts, params, num_tokens, generators) -> list[Draft]:  # noqa: ANN001 - Drafter
-        if any(len(c) + k > self.model.config.max_seq_len for c, k in zip(contexts, num_tokens)):
-            raise ValueError(f"the draft model's context is {self.model.config.max_seq_len} tokens, shorter than "
-                             "a sequence to draft for: use a draft model with the target's context length.")
-        tokens: list[list[int]] = [[] for _ in seq_ids]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]  # q at each draft of a sampled row
-        rows = [i for i, k in enumerate(num_tokens) if k > 0]
-        feed = {i: self._catch_up(seq_ids[i], list(contexts[i])) for i in rows}
-        while rows:
-            try:
-                logits = paged_forward(self.model, self.cache, [seq_ids[i] for i in rows], [feed[i] for i in rows])
-            except NoFreeBlocksError:  # the draft's pool is full: draft nothing for the longest of these rows
-                drop = max(rows, key=lambda i: len(contexts[i]))
-                self.release(seq_ids[drop])
-                tokens[drop], q_rows[drop] = [], []
-                rows.remove(drop)
-                continue
-            row_params = [_without_penalties(params[i]) for i in rows]
-            q = process_logits(logits, row_params).softmax(dim=-1)  # [len(rows), V]
-            for j, i in enumerate(rows):
-                if row_params[j].greedy:
-                    token = int(q[j].argmax())
-                else:
-                    token = int(torch.multinomial(q[j], 1, generator=generators[i]))
-                    q_rows[i].append(q[j])
-                tokens[i].append(token)
-                feed[i] = [token]
-            rows = [i for i in rows if len(tokens[i]) < num_tokens[i]]
-        # Greedy rows drafted deterministically: q is one-hot, given as None.
-        return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, q_rows)]
-
-
-def _without_penalties(params: SamplingParams) -> SamplingParams:
-    """The draft's q uses the row's temperature and filters, not its penalties (they need the output so far)."""
-    if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
-        return params
-    return dataclasses.replace(params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-
-
 # ------------------------------------------------------------------ configuration and statistics
 @dataclass
 class SpeculativeStats:
@@ -343,7 +308,9 @@ class SpeculativeStats:
 class SpeculativeConfig:
     """Speculative decoding for an engine: a drafter, and k = num_speculative_tokens drafts per step (vLLM's name).
 
-    A row drafts at most k tokens, fewer near its max_tokens. Example:
+    A row drafts at most k tokens, fewer near its max_tokens. `acceptance` is the verify rule: "exact" (the
+    default) keeps the target's output distribution (greedy: its tokens); "typical" is Medusa's lossy rule
+    (`verify_typical`, thresholds typical_epsilon and typical_delta), an approximation some engines offer. Example:
         >>> spec = SpeculativeConfig(DraftModelDrafter(draft_model), num_speculative_tokens=4)
         >>> out = minillm.generate(target, "To be", params, tokenizer, speculative=spec)
         >>> out.speculative.acceptance_rate, out.speculative.tokens_per_step
@@ -351,11 +318,22 @@ class SpeculativeConfig:
 
     drafter: Drafter
     num_speculative_tokens: int = 4
+    # "exact" (the default): speculative sampling, `verify` / `verify_greedy`; the output is the target's own.
+    # "typical": LOSSY, Medusa's typical acceptance (`verify_typical`): more drafts accepted, different output.
+    acceptance: str = "exact"
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}.")
+        if self.acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance={self.acceptance!r}: choose 'exact' (the target's own output) or 'typical' "
+                             "(Medusa's typical acceptance: lossy, faster).")
+        if not (0 < self.typical_epsilon <= 1 and 0 < self.typical_delta < 1):
+            raise ValueError(f"typical acceptance needs 0 < typical_epsilon <= 1 and 0 < typical_delta < 1, got "
+                             f"{self.typical_epsilon} and {self.typical_delta}.")
 
     def accept(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                draft_tokens: list[int], draft_probs: torch.Tensor | None,
@@ -365,8 +343,11 @@ class SpeculativeConfig:
         logits [d + 1, V] are the target's raw logits at the d draft positions and after the last one;
         draft_probs [d, V] the drafter's q (None: deterministic drafts, q one-hot). Greedy rows accept
         while the draft is the argmax (`verify_greedy`); the others run speculative sampling (`verify`).
+        With acceptance="typical", every row runs `verify_typical` instead (lossy).
         """
         p = target_probabilities(logits, params, prompt_ids, output_ids, draft_tokens)
+        if self.acceptance == "typical":
+            return verify_typical(p, draft_tokens, params.greedy, self.typical_epsilon, self.typical_delta, generator)
         if params.greedy:
             return verify_greedy(p.argmax(dim=-1).tolist(), draft_tokens)
         return verify(p, draft_tokens, draft_probs, generator)

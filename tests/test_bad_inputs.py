@@ -23,8 +23,9 @@ import minillm
 from minillm.config import ConfigError
 from minillm.constrained import TokenIndex
 from minillm.engine import LLMEngine
+from minillm.engine.draft_model import DraftModelDrafter
 from minillm.sampling import SamplingParams
-from minillm.speculative import DraftModelDrafter, SpeculativeConfig
+from minillm.speculative import SpeculativeConfig
 
 MODEL = "shakespeare-1m"
 

@@ -20,13 +20,13 @@ import minillm
 from minillm import speculative
 from minillm.arithmetic import cdiv
 from minillm.engine import LLM
+from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.eval import chi_squared_test
 from minillm.sampling import SamplingParams
 from minillm.speculative import (
     Draft,
-    DraftModelDrafter,
     NgramDrafter,
     SpeculativeConfig,
     SpeculativeStats,

@@ -6,6 +6,7 @@
     kv_cache.py       PagedKVCache: the pools; StepInputs: a step's inputs, built once; PagedCacheView
     model_runner.py   ModelRunner: the one place a step runs the model (eager or CUDA graphs) and samples
     cuda_graphs.py    DecodeGraphs: decode steps captured once and replayed
+    draft_model.py    DraftModelDrafter: speculative decoding's draft model, on a paged cache of its own (chapter 07)
     llm_engine.py     LLMEngine: step = schedule -> run -> postprocess; LLM: offline batch inference
 
     from minillm.engine import LLM, LLMEngine

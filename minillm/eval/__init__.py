@@ -4,13 +4,25 @@
     tasks            log-likelihood multiple choice and exact match over small local task files (lm-eval's conventions)
     agreement        top-1 agreement and KL divergence of a model's next-token distributions against a reference's
     gate             a candidate's results against a baseline's, metric by metric, with tolerances: `minillm eval`
+    cached           the same metrics through the engine's (quantised) KV cache; a model with key outliers; the
+                     engine's greedy generations against a reference's (what lossy speculative acceptance changes)
     make_tasks       builds the book's task files from the validation split of the shipped corpus
 """
 
 from minillm.eval.agreement import agreement
+from minillm.eval.cached import (
+    ThroughKVCache,
+    cached_agreement,
+    cached_logits,
+    cached_perplexity,
+    greedy_agreement,
+    greedy_tokens,
+    with_key_outliers,
+)
 from minillm.eval.gate import TOLERANCES, Row, compare, format_table
 from minillm.eval.perplexity import chi_squared_test, perplexity
 from minillm.eval.tasks import Task, exact_match, load_task, loglikelihood, multiple_choice
 
-__all__ = ["TOLERANCES", "Row", "Task", "agreement", "chi_squared_test", "compare", "exact_match", "format_table",
-           "load_task", "loglikelihood", "multiple_choice", "perplexity"]
+__all__ = ["TOLERANCES", "Row", "Task", "ThroughKVCache", "agreement", "cached_agreement", "cached_logits",
+           "cached_perplexity", "chi_squared_test", "compare", "exact_match", "format_table", "greedy_agreement",
+           "greedy_tokens", "load_task", "loglikelihood", "multiple_choice", "perplexity", "with_key_outliers"]

@@ -10,6 +10,12 @@ and fails a metric that moved the wrong way by more than its tolerance:
     exact_match       higher   -0.02 or 2 standard errors, whichever is larger
     top1_agreement    higher   -0.02
     kl_divergence     lower    +0.02 nats
+    greedy_match      higher   -0.02 or 2 standard errors, whichever is larger
+    greedy_prefix     higher   -0.02
+
+greedy_match and greedy_prefix (`minillm.eval.cached.greedy_agreement`) compare an engine's greedy generations
+with the plain engine's: they are for changes meant to be exact (speculative decoding, a new kernel), whose
+tolerance is rounding ties alone; any lossy change (quantisation) moves them far more, and is judged by the rest.
 
 A share measured on a few hundred documents moves by a few points from noise alone, hence the standard
 errors: a gate that fails on noise gets ignored. Tolerances are arguments; these are the book's defaults.
@@ -30,6 +36,8 @@ TOLERANCES: dict[str, tuple[str, float, bool]] = {
     "exact_match": ("higher", 0.02, False),
     "top1_agreement": ("higher", 0.02, False),
     "kl_divergence": ("lower", 0.02, False),
+    "greedy_match": ("higher", 0.02, False),
+    "greedy_prefix": ("higher", 0.02, False),
 }
 
 
