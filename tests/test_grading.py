@@ -1047,3 +1047,71 @@ def test_chapter_08_mistakes_get_hints_that_fit_them():
         result = run_task("08.can_take", wrong)
         failed = [r for r in result.results if not r.passed]
         assert failed and all(words in r.hint for r in failed), repr(result)
+
+
+def test_chapter_09_mistakes_get_hints_that_fit_them():
+    def gate(kind="right"):
+        def fn(results, baseline, tolerances):
+            failed = []
+            for task, metrics in baseline["results"].items():
+                ours = results["results"].get(task, {})
+                for metric, base in metrics.items():
+                    if metric not in tolerances:
+                        continue
+                    if metric not in ours:
+                        if kind != "skip_missing":
+                            failed.append(f"{task}.{metric}")
+                        continue
+                    better, tol, rel = tolerances[metric]
+                    allowed = tol * abs(base) if rel else tol
+                    if kind != "no_noise":
+                        se = max(metrics.get(f"{metric}_stderr") or 0.0, ours.get(f"{metric}_stderr") or 0.0)
+                        allowed = max(allowed, 2 * se)
+                    worse = base - ours[metric] if (better == "higher" or kind == "one_way") else ours[metric] - base
+                    if worse > allowed:
+                        failed.append(f"{task}.{metric}")
+            return sorted(failed)
+        return fn
+
+    assert run_task("09.gate_decision", gate()).passed
+    for wrong, words in [(gate("no_noise"), "widen the tolerance by the noise"),
+                         (gate("skip_missing"), "must FAIL"), (gate("one_way"), "LOWER is better")]:
+        result = run_task("09.gate_decision", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+
+    from minillm import arithmetic
+
+    def prices(kind="right"):
+        def token_prices(config, gpu, usd, prompt_len, context_len, batch, n_gpus=1):
+            per_s = usd * (1 if kind == "one_gpu_paid" else n_gpus) / 3600
+            pre = arithmetic.prefill_time(config, gpu, prompt_len, n_gpus=n_gpus).time_s / prompt_len
+            dec = arithmetic.decode_step_time(config, gpu, context_len, batch, n_gpus=n_gpus).time_s
+            return per_s * pre * 1e6, per_s * dec / (1 if kind == "per_step" else batch) * 1e6
+        return token_prices
+
+    assert run_task("09.token_prices", prices()).passed
+    ref = get_task("09.token_prices").reference("llama-3-8b", "h100-sxm", 2.5, 2048, 2048, 64, 1)
+    assert 5 < ref[1] / ref[0] < 20, ref  # output costs several times input at batch 64, from the roofline alone
+    for wrong, words in [(prices("one_gpu_paid"), "pay for every GPU"), (prices("per_step"), "divide the step's cost")]:
+        result = run_task("09.token_prices", wrong)
+        failed = [r for r in result.results if not r.passed]
+        assert failed and all(words in r.hint for r in failed), repr(result)
+
+    def runbook(order):
+        def diagnose(before, after):
+            if after["tpot_ms"] <= 1.1 * before["tpot_ms"]:
+                return "none"
+            checks = {"preemptions": after["preemptions"] > before["preemptions"],
+                      "kv fallback": before["attention"] == "paged kernel" and after["attention"] != "paged kernel",
+                      "speculation at high batch": after["speculative"] and after["mean_batch"] >= 32,
+                      "constrained decoding": after["constrained_share"] - before["constrained_share"] >= 0.1,
+                      "batch grew": after["mean_batch"] >= 1.25 * before["mean_batch"]}
+            return next((cause for cause in order if checks[cause]), "unknown")
+        return diagnose
+
+    right = ["preemptions", "kv fallback", "speculation at high batch", "constrained decoding", "batch grew"]
+    assert run_task("09.diagnose", runbook(right)).passed
+    result = run_task("09.diagnose", runbook(["batch grew"] + right[:-1]))
+    failed = [r for r in result.results if not r.passed]
+    assert failed and all("check the batch LAST" in r.hint for r in failed), repr(result)
