@@ -159,6 +159,29 @@ def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids):
     assert engine.cache.allocator.num_used_blocks == 0, "every block is back in the pool"
 
 
+def test_finished_only_steps_give_the_same_final_outputs(shipped):
+    """step(finished_only=True), what run() and LLM.generate use, skips the outputs of sequences still running;
+    the outputs it does give equal the ones a streaming caller gets at the same step."""
+    model, tok = shipped
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=7, logprobs=2) for n, t in ((5, 0.0), (12, 0.8),
+                                                                                           (20, 1.0))]
+    finals = []
+    for finished_only in (False, True):
+        engine = LLMEngine(model, tok)
+        for i, p in enumerate(params):
+            engine.add_request(str(i), "KING.\nMy lord,", p)
+        got, unfinished_seen = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step(finished_only=finished_only):
+                unfinished_seen += not out.finished
+                if out.finished:
+                    got[out.request_id] = out
+        assert (unfinished_seen == 0) == finished_only
+        finals.append({k: (o.token_ids, o.text, o.logprobs, o.finish_reason, len(o.token_times_s))
+                       for k, o in got.items()})
+    assert finals[0] == finals[1] and len(finals[0]) == 3
+
+
 def test_bad_requests_are_refused_with_a_clear_error(shipped):
     model, tok = shipped
     engine = LLMEngine(model, tok)

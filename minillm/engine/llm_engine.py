@@ -402,8 +402,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; the outputs of the sequences that got a token in this step."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model, sample; the outputs of the sequences that got a token in this step.
+
+        finished_only: return outputs only for the sequences that finished in this step. An output carries the whole
+        completion so far (its tokens, their times and log-probabilities), so building one for every running
+        sequence at every step copies O(length) per token: quadratic in the output length. A caller that waits for
+        the end (`run`, `LLM.generate`) skips that; a streaming server needs every step's delta and keeps it.
+        """
         plan = self.scheduler.schedule()
         self.last_step = plan
         if not plan.scheduled:
@@ -432,7 +438,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, seq.finish_reason)
                     self._release(seq)
                     break
-            outputs.append(self._output(seq, new_ids, seq.text[text_before:]))
+            if seq.finish_reason is not None or not finished_only:
+                outputs.append(self._output(seq, new_ids, seq.text[text_before:]))
         return outputs
 
     def _run_plain(self, scheduled: list[tuple[Seq, int]]) -> list[SampledTokens]:
@@ -497,7 +504,7 @@ class LLMEngine:
         finished: dict[tuple[str, int], RequestOutput] = {}
         with tqdm(total=total, desc="requests", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
-                for out in self.step():
+                for out in self.step(finished_only=True):
                     if out.finished:
                         finished[out.request_id, out.index] = out
                         bar.update(out.index == 0)
