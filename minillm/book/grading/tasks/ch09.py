@@ -446,8 +446,9 @@ _DIAG_SUSPECTS: list[tuple[Callable, str]] = [
      "when no signal moved enough, say 'unknown' (and profile the step): guessing 'batch grew' sends the on-call "
      "engineer after the wrong fix."),
     (lambda b, a: _diag_variant(b, a, spec_any_batch=True),
-     "speculation hurts only at high batch (mean_batch >= 32), where the verify forward's k + 1 tokens per row make "
-     "the step compute-bound; at low batch it is what makes decoding faster."),
+     "blame speculation only at high batch (mean_batch >= 32): there a step is no longer nearly free to widen, and "
+     "the verify forward's k + 1 positions per row and its rejected drafts cost real time; at low batch it is what "
+     "makes decoding faster."),
 ]
 
 
