@@ -265,6 +265,9 @@ class Metrics:
                                      registry=r)
         self.cuda_graphs = Gauge("minillm_cuda_graphs_enabled", "1 if decode steps replay CUDA graphs, 0 if eager.",
                                  registry=r)
+        self.preemptions = Gauge("minillm_num_preemptions", "Sequences preempted since the start: their KV blocks "
+                                 "freed for older ones, their tokens recomputed later (vLLM: num_preemptions).",
+                                 registry=r)
 
     def observe(self, out: RequestOutput) -> None:
         """Record one step's output of one request."""
@@ -396,6 +399,7 @@ class AsyncEngine:
         m.draft_tokens.set(self.engine.spec_stats.num_proposed)
         m.accepted_tokens.set(self.engine.spec_stats.num_accepted)
         m.cuda_graphs.set(float(self.engine.use_cuda_graphs))
+        m.preemptions.set(self.engine.num_preemptions)
         return m.text()
 
     def check_request(self, params: SamplingParams, schema: dict | str | None) -> None:

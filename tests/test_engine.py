@@ -182,6 +182,17 @@ def test_finished_only_steps_give_the_same_final_outputs(shipped):
     assert finals[0] == finals[1] and len(finals[0]) == 3
 
 
+def test_the_engine_counts_preemptions_as_its_requests_saw_them(shipped):
+    model, tok = shipped
+    engine = LLMEngine(model, tok, num_blocks=12, block_size=8)  # 96 tokens of KV for 6 requests of ~40
+    for i in range(6):
+        engine.add_request(str(i), f"KING {i}.\n", SamplingParams(max_tokens=32, ignore_eos=True))
+    finished = engine.run()
+    assert engine.num_preemptions > 0, "the pool is too small for the load: some sequence was preempted"
+    assert engine.num_preemptions == sum(o.num_preemptions for o in finished.values())
+    assert all(len(o.token_ids) == 32 for o in finished.values())
+
+
 def test_bad_requests_are_refused_with_a_clear_error(shipped):
     model, tok = shipped
     engine = LLMEngine(model, tok)

@@ -100,6 +100,27 @@ def test_prefix_caching_and_ngram_speculation_reach_the_engine(server):
     assert 0 <= metric(server, "minillm_spec_decode_num_accepted_tokens") <= drafted
 
 
+def test_a_kv_pool_too_small_for_the_load_shows_in_the_preemption_count():
+    """Eight concurrent requests of 60 tokens on a pool of 24 blocks of 8 (192 tokens): the scheduler preempts
+    running sequences to let older ones grow, and /metrics counts them (chapter 09's "TPOT got worse" runbook)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serve_in_background(MODEL, env={"MINILLM_API_KEY": KEY}, block_size=8, num_blocks=24, max_num_seqs=8,
+                             enforce_eager=True) as url:
+        assert metric(url, "minillm_num_preemptions") == 0
+        c = client(url, KEY)
+
+        def ask(i: int):  # noqa: ANN202
+            return c.completions.create(model=MODEL, prompt=f"KING {i}.\n", max_tokens=60, temperature=0,
+                                        extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        assert all(a.usage.completion_tokens == 60 for a in answers), "every request still gets all its tokens"
+        assert metric(url, "minillm_num_preemptions") > 0
+        assert metric(url, "minillm_kv_blocks_total") == 24
+
+
 def test_build_engine_turns_each_flag_into_the_engine_setting(monkeypatch):
     monkeypatch.setattr("minillm.engine.model_runner.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
     assert build_engine(MODEL).use_cuda_graphs, "by default decode steps would be captured"

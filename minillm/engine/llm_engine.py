@@ -189,6 +189,7 @@ class LLMEngine:
                                         self.tp)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
+        self.num_preemptions = 0  # sequences preempted since the start (the server's /metrics reports it)
         # Called with each sequence that finishes in a step, before its blocks are freed: a prefill worker reads
         # the prompt's KV there to send it on (`minillm.disagg`, chapter 08). Not called for aborts.
         self.on_finish: Callable[[Seq], None] | None = None
@@ -412,6 +413,7 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         self.last_step = plan
+        self.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return []
         # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
