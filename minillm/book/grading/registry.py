@@ -145,6 +145,17 @@ def call_catching(fn: Callable[..., Any], args: tuple, error: str, what: str, ex
 # ---- helpers for writing tests ------------------------------------------------------------------
 
 
+def short_repr(x: object, limit: int = 120) -> str:
+    """repr(x), cut to `limit` characters with an ellipsis: what a reader's answer looks like in a message."""
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def is_number(x: object) -> bool:
+    """An int or a float, not a bool (True is an int to Python, not an answer to a numeric task)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def expect_close(got: Any, expected: torch.Tensor, what: str, hint: str = "", atol: float = 1e-5,
                  rtol: float = 1e-5) -> None:
     """Raise `MismatchError` unless `got` is a tensor of `expected`'s shape and dtype with close values."""

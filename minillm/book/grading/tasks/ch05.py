@@ -19,17 +19,12 @@ from collections.abc import Callable, Iterator
 
 from minillm import bench
 from minillm.arithmetic import cdiv
-from minillm.book.grading.registry import MismatchError, diagnose, register_task
+from minillm.book.grading.registry import MismatchError, diagnose, register_task, short_repr
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
 from minillm.sampling import SamplingParams
-
-
-def _short(x: object, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _tiny_config() -> ModelConfig:
@@ -164,7 +159,7 @@ def _check_admit(fn: Callable, cases: list[tuple], what: str) -> None:
     for case in cases:
         g = fn(*case)
         if not isinstance(g, bool):
-            raise MismatchError(f"can_admit{case}", "True or False", _short(g),
+            raise MismatchError(f"can_admit{case}", "True or False", short_repr(g),
                                 "return a bool: whether the request can be admitted now.")
         got.append(g)
     for g, case in zip(got, cases):
@@ -420,7 +415,7 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str, expected: list | N
         g = _normalise_step(fn(*_copy_case(case)))
         if g is None:
             raise MismatchError(f"{what}: schedule_step(...)", "a list of (request id, number of tokens) pairs",
-                                _short(fn(*_copy_case(case))), "return [(id, n), ...]: running ones first, then "
+                                short_repr(fn(*_copy_case(case))), "return [(id, n), ...]: running ones first, then "
                                 "the admitted waiting ones, each in its queue's order.")
         got.append(g)
     for g, e, case in zip(got, expected, cases):
@@ -430,8 +425,8 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str, expected: list | N
                 hint = ("the right requests and counts, in another order: running ones first, in their order, "
                         "then the admitted ones in the waiting queue's order.")
             running, waiting, budget, seqs, free, bs, wm = case
-            raise MismatchError(f"{what}: schedule_step(running={_short(running, 300)}, waiting="
-                                f"{_short(waiting, 300)}, token_budget={budget}, max_num_seqs={seqs}, "
+            raise MismatchError(f"{what}: schedule_step(running={short_repr(running, 300)}, waiting="
+                                f"{short_repr(waiting, 300)}, token_budget={budget}, max_num_seqs={seqs}, "
                                 f"free_blocks={free}, block_size={bs}, watermark_blocks={wm})", e, g, hint)
 
 
@@ -609,7 +604,7 @@ def _check_goodput(fn: Callable, cases: list[tuple], what: str, expected: list[f
     for case in cases:
         g = fn([dict(r) for r in case[0]], *case[1:])
         if isinstance(g, bool) or not isinstance(g, (int, float)):
-            raise MismatchError(f"{what}: goodput(...)", "a number (requests per second)", _short(g),
+            raise MismatchError(f"{what}: goodput(...)", "a number (requests per second)", short_repr(g),
                                 "return a Python float: good requests / duration_s.")
         got.append(float(g))
     for g, e, case in zip(got, expected, cases):
@@ -785,11 +780,11 @@ def _check_batching(fn: Callable, cases: list[tuple], what: str, expected: list 
             g = tuple(g)
         if not isinstance(g, tuple) or len(g) != 2:
             raise MismatchError(f"{what}: batching_steps(...)", "a tuple (static steps, continuous steps)",
-                                _short(g), "return two ints: return static, continuous.")
+                                short_repr(g), "return two ints: return static, continuous.")
         got.append(g)
     for g, e, case in zip(got, expected, cases):
         if g != e:
-            raise MismatchError(f"{what}: batching_steps({_short(case[0], 200)}, batch_size={case[1]})", e, g,
+            raise MismatchError(f"{what}: batching_steps({short_repr(case[0], 200)}, batch_size={case[1]})", e, g,
                                 diagnose(got, cases, _BATCH_SUSPECTS, _BATCH_HOW, _same))
 
 

@@ -29,16 +29,12 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.book.grading.registry import MismatchError, call_probed, diagnose, register_task
+from minillm.book.grading.registry import MismatchError, call_probed, diagnose, register_task, short_repr
 from minillm.quant import NF4_CODEBOOK, int_grid, nf4_round, quantize_int, unpack_int4
 from minillm.quant.gptq import gptq_quantize, hessian, inverse_hessian_factor, quantize_column
 
 TIE_MARGIN = 1e-3  # a value within this of a half step may round either way
 
-
-def _short(x: object, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _describe(x: object) -> str:
@@ -48,7 +44,7 @@ def _describe(x: object) -> str:
     if isinstance(x, (tuple, list)):
         inner = ", ".join(_describe(v) for v in x[:4]) + (", …" if len(x) > 4 else "")
         return f"{type(x).__name__} of {len(x)}: ({inner})"
-    return f"{type(x).__name__} {_short(x, 80)}"
+    return f"{type(x).__name__} {short_repr(x, 80)}"
 
 
 def _parts(got: object, names: tuple[str, ...], what: str, hint: str) -> tuple[torch.Tensor, ...]:

@@ -31,17 +31,10 @@ from minillm.book.grading.registry import (
     call_probed,
     diagnose,
     expect_close,
+    is_number,
     register_task,
+    short_repr,
 )
-
-
-def _short(x: object, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _distributions(gen: torch.Generator, rows: int, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -114,7 +107,7 @@ def _check_residual(fn: Callable, cases: list[tuple[torch.Tensor, torch.Tensor]]
         g = fn(p.clone(), q.clone())
         if not isinstance(g, torch.Tensor):
             raise MismatchError(f"{what}: residual(p, q)", f"a torch.Tensor of shape ({p.shape[0]},)",
-                                f"{type(g).__name__} {_short(g, 80)}", "return a tensor: (p - q).clamp(min=0) "
+                                f"{type(g).__name__} {short_repr(g, 80)}", "return a tensor: (p - q).clamp(min=0) "
                                 "renormalised, with torch operations.")
         got.append(g)
     for g, (p, q) in zip(got, cases):
@@ -248,14 +241,14 @@ def sample_steps(answer: Callable, p: torch.Tensor, q: torch.Tensor, trials: int
         d = _as_distribution(dist)
         if d.numel() != vocab or not bool(torch.isfinite(d).all()) or bool((d < 0).any()) or float(d.sum()) <= 0:
             raise ValueError(f"residual_sample needs a distribution over the {vocab} tokens: finite, non-negative "
-                             f"values with a positive sum; got {_short([round(x, 4) for x in d.tolist()], 100)}")
+                             f"values with a positive sum; got {short_repr([round(x, 4) for x in d.tolist()], 100)}")
         return int(torch.multinomial(d, 1, generator=gen))
 
     for t in range(trials):
         got = answer(p, q, list(drafts[t]), list(uniforms[t]), residual_sample)
         tokens = _as_tokens(got)
         if tokens is None or not 1 <= len(tokens) <= k + 1 or not all(0 <= x < vocab for x in tokens):
-            return {"counts": counts, "lengths": lengths, "bad": _short(got)}
+            return {"counts": counts, "lengths": lengths, "bad": short_repr(got)}
         lengths[len(tokens)] += 1
         for position, token in enumerate(tokens):
             counts[position][token] += 1
@@ -417,7 +410,7 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str) -> None:
         tokens = _as_tokens(got)
         if tokens is None:
             raise MismatchError(f"{what}: {_describe_step((p, q, drafts, uniforms))}",
-                                "a list of ints (the accepted drafts, then one token)", _short(got),
+                                "a list of ints (the accepted drafts, then one token)", short_repr(got),
                                 "return a list of Python ints: draft_tokens[:i] + [residual_sample(...)], the "
                                 "token residual_sample returned last.")
         records.append((tokens, list(given)))
@@ -647,7 +640,7 @@ _EXPECTED_SUSPECTS: list[tuple[Callable, str]] = [
 
 
 def _same_number(a: object, b: object) -> bool:
-    return _is_number(a) and _is_number(b) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return is_number(a) and is_number(b) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _check_expected(fn: Callable, cases: list[tuple[float, int]], what: str) -> None:
@@ -655,9 +648,9 @@ def _check_expected(fn: Callable, cases: list[tuple[float, int]], what: str) -> 
     for alpha, k in cases:
         g = call_catching(fn, (alpha, k), "ZeroDivisionError", f"{what}: expected_tokens({alpha}, {k})",
                            f"{reference_expected_tokens(alpha, k):.6g}", _ALPHA_ONE)
-        if not _is_number(g):
+        if not is_number(g):
             raise MismatchError(f"{what}: expected_tokens({alpha}, {k})", "a number (tokens per target forward)",
-                                f"{type(g).__name__} {_short(g, 80)}", "return a Python float (float(x) for a "
+                                f"{type(g).__name__} {short_repr(g, 80)}", "return a Python float (float(x) for a "
                                 "tensor or numpy value).")
         got.append(g)
     for g, (alpha, k) in zip(got, cases):
@@ -764,7 +757,8 @@ def _check_best(fn: Callable, cases: list[tuple], what: str) -> None:
                            "is never 0.")
         if not isinstance(g, int) or isinstance(g, bool):
             raise MismatchError(f"{what}: best_k{case}", "an int, the number of drafted tokens",
-                                f"{type(g).__name__} {_short(g, 80)}", "return k itself, as an int (not the speed-up).")
+                                f"{type(g).__name__} {short_repr(g, 80)}",
+                                "return k itself, as an int (not the speed-up).")
         got.append(g)
     for g, case in zip(got, cases):
         e = reference_best_k(*case)

@@ -26,17 +26,15 @@ import torch.nn.functional as F
 
 from minillm import arithmetic
 from minillm.arithmetic import cdiv
-from minillm.book.grading.registry import MismatchError, call_catching, diagnose, expect_close, register_task
-
-
-def _short(x: object, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
+from minillm.book.grading.registry import (
+    MismatchError,
+    call_catching,
+    diagnose,
+    expect_close,
+    is_number,
+    register_task,
+    short_repr,
+)
 
 # ---- 08.split_mlp ------------------------------------------------------------------------------------
 
@@ -120,7 +118,7 @@ _SPLIT_SUSPECTS: list[tuple[Callable, str]] = [
 def _as_partials(got: object, world: int, what: str) -> list[torch.Tensor]:
     if isinstance(got, torch.Tensor) or not isinstance(got, (list, tuple)):
         raise MismatchError(what, f"a list of {world} tensors, one partial output per rank",
-                            f"{type(got).__name__} {_short(got, 80)}",
+                            f"{type(got).__name__} {short_repr(got, 80)}",
                             "return [partial_0, ..., partial_{world-1}], each [T, dim]: what each rank holds BEFORE "
                             "the all-reduce adds them up (do not sum or stack them).")
     if len(got) != world:
@@ -288,9 +286,9 @@ def _check_kv(fn: Callable, cases: list[tuple], what: str) -> None:
         g = call_catching(fn, case, "ZeroDivisionError", f"{what}: kv_transfer_s{case}",
                           f"{reference_kv_transfer_s(*case):.6g} s", "divide by the link's bytes per second, "
                           "link_gbit_s * 1e9 / 8, which is never 0 here.")
-        if not _is_number(g):
+        if not is_number(g):
             raise MismatchError(f"{what}: kv_transfer_s{case}", "a float, in seconds", f"{type(g).__name__} "
-                                f"{_short(g, 80)}", "return the time as a plain number (a float of seconds).")
+                                f"{short_repr(g, 80)}", "return the time as a plain number (a float of seconds).")
         got.append(float(g))
     for g, case in zip(got, cases):
         e = reference_kv_transfer_s(*case)
@@ -427,7 +425,7 @@ def _check_timeline(fn: Callable, cases: list[tuple], what: str) -> None:
             v is None or (isinstance(v, int) and not isinstance(v, bool)) for row in g for v in row)
         if not ok:
             raise MismatchError(f"{what}: pipeline_timeline{case}", "a list of p lists, each holding an int "
-                                "(the micro-batch) or None (idle) per slot", _short(g, 100),
+                                "(the micro-batch) or None (idle) per slot", short_repr(g, 100),
                                 "return one row per stage; put None where the stage waits.")
         got.append([list(row) for row in g])
     for g, case in zip(got, cases):
@@ -440,8 +438,8 @@ def _check_timeline(fn: Callable, cases: list[tuple], what: str) -> None:
                                 "slots", _grid_shape(g), hint)
         s, slot = next((s, j) for s in range(len(g)) for j in range(len(g[s])) if g[s][j] != expected[s][j])
         raise MismatchError(f"{what}: pipeline_timeline{case}, stage {s}, slot {slot}",
-                            f"{expected[s][slot]!r} (row {s}: {_short(expected[s], 70)})",
-                            f"{g[s][slot]!r} (row {s}: {_short(g[s], 70)})", hint)
+                            f"{expected[s][slot]!r} (row {s}: {short_repr(expected[s], 70)})",
+                            f"{g[s][slot]!r} (row {s}: {short_repr(g[s], 70)})", hint)
 
 
 def _bubble(grid: list[list[int | None]]) -> float:
@@ -551,7 +549,7 @@ def _check_take(fn: Callable, cases: list[tuple], what: str) -> None:
     for case in cases:
         g = fn(*case)
         if not isinstance(g, bool):
-            raise MismatchError(f"{what}: can_take{case}", "True or False", _short(g),
+            raise MismatchError(f"{what}: can_take{case}", "True or False", short_repr(g),
                                 "return a bool: whether the decode worker takes the request now.")
         got.append(g)
     for g, case in zip(got, cases):

@@ -18,17 +18,7 @@ import random
 from collections.abc import Callable
 
 from minillm import arithmetic
-from minillm.book.grading.registry import MismatchError, call_catching, diagnose, register_task
-
-
-def _short(x: object, limit: int = 120) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
+from minillm.book.grading.registry import MismatchError, call_catching, diagnose, is_number, register_task, short_repr
 
 # ---- 09.gate_decision --------------------------------------------------------------------------------
 
@@ -174,7 +164,7 @@ def _check_gate(fn: Callable, cases: list[tuple[dict, dict, dict]], what: str) -
                           "metric has a tolerance (skip those), and the results may lack a task the baseline has "
                           "(that metric fails).")
         if not isinstance(g, (list, tuple)) or not all(isinstance(x, str) for x in g):
-            raise MismatchError(f"{what}: gate(...)", "a list of 'task.metric' strings", _short(g, 80),
+            raise MismatchError(f"{what}: gate(...)", "a list of 'task.metric' strings", short_repr(g, 80),
                                 "return e.g. ['agreement.top1_agreement', 'perplexity.perplexity'], sorted.")
         got.append(list(g))
     for i, (g, case) in enumerate(zip(got, cases)):
@@ -307,8 +297,8 @@ def _check_prices(fn: Callable, cases: list[tuple], what: str) -> None:
                           "call minillm.arithmetic.prefill_time(config, gpu, prompt_len, n_gpus=n_gpus) and "
                           "decode_step_time(config, gpu, context_len, batch, n_gpus=n_gpus); each returns a Roofline "
                           "whose .time_s is in seconds.")
-        if not (isinstance(g, (tuple, list)) and len(g) == 2 and all(_is_number(x) for x in g)):
-            raise MismatchError(f"{what}: token_prices{case}", "a pair of numbers (input, output)", _short(g, 80),
+        if not (isinstance(g, (tuple, list)) and len(g) == 2 and all(is_number(x) for x in g)):
+            raise MismatchError(f"{what}: token_prices{case}", "a pair of numbers (input, output)", short_repr(g, 80),
                                 "return (input_usd_per_million, output_usd_per_million) as Python floats.")
         got.append(tuple(float(x) for x in g))
     for g, case in zip(got, cases):
@@ -461,7 +451,7 @@ def _check_diagnose(fn: Callable, cases: list[tuple[dict, dict]], what: str) -> 
                           "constrained_share; read those keys.")
         if g not in CAUSES:
             raise MismatchError(f"{what}: diagnose(...)", "one of " + ", ".join(repr(c) for c in CAUSES),
-                                _short(g, 80), "return one of the cause strings exactly as listed.")
+                                short_repr(g, 80), "return one of the cause strings exactly as listed.")
         got.append(g)
     for i, (g, (before, after)) in enumerate(zip(got, cases)):
         expected = reference_diagnose(before, after)
