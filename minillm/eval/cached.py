@@ -28,7 +28,6 @@ Two more pieces make the changes the gate should catch:
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +38,7 @@ from minillm.engine import LLM
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.eval.agreement import agreement
 from minillm.eval.perplexity import perplexity
+from minillm.eval.tasks import share_with_stderr
 from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
 from minillm.sampling import SamplingParams
@@ -164,10 +164,9 @@ def greedy_agreement(llm: LLM, reference: LLM | Sequence[Sequence[int]], prompts
         common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         match.append(list(a) == list(b))
         prefix.append(common / max(len(b), 1))
-    n = len(match)
-    p = sum(match) / n
-    return {"greedy_match": p, "greedy_match_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"),
-            "greedy_prefix": sum(prefix) / n, "prompts": n}
+    p, stderr = share_with_stderr(match)  # a share with its standard error, as the tasks report theirs
+    return {"greedy_match": p, "greedy_match_stderr": stderr, "greedy_prefix": sum(prefix) / len(prefix),
+            "prompts": len(match)}
 
 
 def greedy_tokens(llm: LLM, prompts: Sequence[str | list[int]], max_tokens: int = 32) -> list[list[int]]:

@@ -133,7 +133,9 @@ class MinillmLM(LM):
         prompts, params = [], []
         for context, gen_kwargs in (r.args for r in requests):
             if gen_kwargs.get("do_sample") and gen_kwargs.get("temperature", 1.0) > 0:
-                raise ValueError(f"this task asks to sample ({gen_kwargs}); MinillmLM decodes greedily only.")
+                raise ValueError(f"this task asks to sample ({gen_kwargs}), and MinillmLM decodes greedily only: "
+                                 "run it with do_sample: false (or temperature: 0) in the task's generation_kwargs, "
+                                 "or sample with minillm.LLM.generate directly.")
             max_tokens = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             until = gen_kwargs.get("until") or []
             room = self.model.config.max_seq_len - max_tokens

@@ -95,7 +95,7 @@ def load_task(path: str | Path) -> Task:
     return Task(path.stem, kinds.pop(), docs)
 
 
-def _share(hits: list[bool]) -> tuple[float, float]:
+def share_with_stderr(hits: list[bool]) -> tuple[float, float]:
     """The share of True in `hits` and its standard error, sqrt(p (1 - p) / (n - 1))."""
     n = len(hits)
     p = sum(hits) / n
@@ -151,7 +151,7 @@ def multiple_choice(model: Transformer, tokenizer: Tokenizer, task: Task, batch_
         normed = [ll / len(c.encode("utf-8")) for ll, c in zip(lls, d["choices"])]
         acc.append(max(range(len(lls)), key=lls.__getitem__) == d["gold"])
         acc_norm.append(max(range(len(normed)), key=normed.__getitem__) == d["gold"])
-    (a, a_err), (n, n_err) = _share(acc), _share(acc_norm)
+    (a, a_err), (n, n_err) = share_with_stderr(acc), share_with_stderr(acc_norm)
     return {"acc": a, "acc_stderr": a_err, "acc_norm": n, "acc_norm_stderr": n_err, "docs": len(task.docs)}
 
 
@@ -166,5 +166,5 @@ def exact_match(llm: object, task: Task, max_tokens: int = 16) -> dict[str, floa
     outs = llm.generate([d["context"] for d in task.docs], params, use_tqdm=False)
     hits = [" ".join(o.text.split()[: len(d["answer"].split())]) == d["answer"].strip()
             for o, d in zip(outs, task.docs)]
-    p, err = _share(hits)
+    p, err = share_with_stderr(hits)
     return {"exact_match": p, "exact_match_stderr": err, "docs": len(task.docs)}

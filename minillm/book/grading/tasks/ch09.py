@@ -33,23 +33,7 @@ def reference_gate(results: dict, baseline: dict, tolerances: dict[str, tuple[st
     to stderr_factor x the larger of the two standard errors where they are given; one the results lack fails too
     (a gate must not pass by omission). Metrics without a tolerance (counts, standard errors) are not judged.
     """
-    failed = []
-    for task, base_metrics in baseline["results"].items():
-        ours = results["results"].get(task, {})
-        for metric, base in base_metrics.items():
-            if metric not in tolerances:
-                continue
-            if metric not in ours:
-                failed.append(f"{task}.{metric}")
-                continue
-            better, tolerance, relative = tolerances[metric]
-            allowed = tolerance * abs(base) if relative else tolerance
-            stderr = max(base_metrics.get(f"{metric}_stderr") or 0.0, ours.get(f"{metric}_stderr") or 0.0)
-            allowed = max(allowed, stderr_factor * stderr)
-            worse = base - ours[metric] if better == "higher" else ours[metric] - base
-            if worse > allowed:
-                failed.append(f"{task}.{metric}")
-    return sorted(failed)
+    return _gate_rule(results, baseline, tolerances, stderr_factor=stderr_factor)
 
 
 gate_task = register_task(
@@ -57,7 +41,7 @@ gate_task = register_task(
     "gate(results: dict, baseline: dict, tolerances: dict[str, tuple[str, float, bool]]) -> list[str]  "
     "(the failed 'task.metric' names, sorted)",
     reference=reference_gate,
-    forbid=("minillm.eval.gate.compare", "minillm.eval.compare"),
+    forbid=("minillm.eval.gate.compare", "minillm.eval.compare", "minillm.book.grading.tasks.ch09._gate_rule"),
 )
 
 _GATE_HOW = ("for each task and metric of the BASELINE that has a tolerance (better, tol, relative): allowed = tol "
@@ -66,25 +50,26 @@ _GATE_HOW = ("for each task and metric of the BASELINE that has a tolerance (bet
              "a metric the results lack fails. Return the 'task.metric' names, sorted.")
 
 
-def _gate_variant(results: dict, baseline: dict, tolerances: dict, *, stderr: str = "max2", direction: bool = True,
-                  relative: bool = True, strict: bool = True, missing_fails: bool = True) -> list[str]:
-    """reference_gate with one rule changed: the common wrong versions."""
+def _gate_rule(results: dict, baseline: dict, tolerances: dict, *, stderr_factor: float = 2.0, stderr: str = "max",
+               direction: bool = True, relative: bool = True, strict: bool = True,
+               missing_fails: bool = True) -> list[str]:
+    """The gate's rule with each step switchable: every default is `reference_gate`, and each wrong version of
+    `_GATE_SUSPECTS` flips one (stderr: "max" of the two files, "base" alone, or "none")."""
     failed = []
     for task, base_metrics in baseline["results"].items():
         ours = results["results"].get(task, {})
         for metric, base in base_metrics.items():
             if metric not in tolerances:
-                continue
+                continue  # counts and standard errors are not judged
             if metric not in ours:
                 if missing_fails:
-                    failed.append(f"{task}.{metric}")
+                    failed.append(f"{task}.{metric}")  # a gate must not pass by omission
                 continue
             better, tolerance, rel = tolerances[metric]
             allowed = tolerance * abs(base) if (rel and relative) else tolerance
             se_base, se_ours = base_metrics.get(f"{metric}_stderr") or 0.0, ours.get(f"{metric}_stderr") or 0.0
-            se = {"max2": 2 * max(se_base, se_ours), "max1": max(se_base, se_ours), "base2": 2 * se_base,
-                  "none": 0.0}[stderr]
-            allowed = max(allowed, se)
+            se = {"max": max(se_base, se_ours), "base": se_base, "none": 0.0}[stderr]
+            allowed = max(allowed, stderr_factor * se)
             worse = (base - ours[metric]) if (better == "higher" or not direction) else (ours[metric] - base)
             if (worse > allowed) if strict else (worse >= allowed):
                 failed.append(f"{task}.{metric}")
@@ -92,24 +77,24 @@ def _gate_variant(results: dict, baseline: dict, tolerances: dict, *, stderr: st
 
 
 _GATE_SUSPECTS: list[tuple[Callable, str]] = [
-    (lambda r, b, t: _gate_variant(r, b, t, stderr="none"),
+    (lambda r, b, t: _gate_rule(r, b, t, stderr="none"),
      "widen the tolerance by the noise: allowed = max(tolerance, 2 x the larger standard error of the two files). "
      "A share measured on a few hundred documents moves by a few points by chance; a gate that fails on noise gets "
      "ignored."),
-    (lambda r, b, t: _gate_variant(r, b, t, stderr="max1"),
+    (lambda r, b, t: _gate_rule(r, b, t, stderr_factor=1.0),
      "the noise band is 2 standard errors (about 95% of chance moves), not one: allowed = max(tolerance, 2 x stderr)."),
-    (lambda r, b, t: _gate_variant(r, b, t, stderr="base2"),
+    (lambda r, b, t: _gate_rule(r, b, t, stderr="base"),
      "take the LARGER standard error of the two files (baseline and candidate), as minillm.eval.compare does: a "
      "candidate measured on fewer documents is noisier."),
-    (lambda r, b, t: _gate_variant(r, b, t, direction=False),
+    (lambda r, b, t: _gate_rule(r, b, t, direction=False),
      "mind which way is better: for perplexity and kl_divergence LOWER is better (tolerances say 'lower'), so a rise "
      "is the regression: worse = value - baseline for those."),
-    (lambda r, b, t: _gate_variant(r, b, t, relative=False),
+    (lambda r, b, t: _gate_rule(r, b, t, relative=False),
      "a relative tolerance scales with the baseline: perplexity's 0.02 means 2% of the baseline's perplexity "
      "(allowed = 0.02 x |baseline|), not 0.02 perplexity points."),
-    (lambda r, b, t: _gate_variant(r, b, t, strict=False),
+    (lambda r, b, t: _gate_rule(r, b, t, strict=False),
      "a change exactly at the tolerance passes: fail only when worse > allowed (strictly)."),
-    (lambda r, b, t: _gate_variant(r, b, t, missing_fails=False),
+    (lambda r, b, t: _gate_rule(r, b, t, missing_fails=False),
      "a metric the baseline has and the results lack must FAIL: otherwise a change passes by not running the test."),
 ]
 
@@ -238,10 +223,7 @@ def reference_token_prices(config: str, gpu: str, usd_per_gpu_hour: float, promp
     decode_step_time(config, gpu, context_len, batch, n_gpus=n_gpus) and yields `batch` tokens. Time costs
     usd_per_gpu_hour x n_gpus / 3600 per second.
     """
-    usd_per_s = usd_per_gpu_hour * n_gpus / 3600
-    prefill = arithmetic.prefill_time(config, gpu, prompt_len, n_gpus=n_gpus).time_s
-    decode = arithmetic.decode_step_time(config, gpu, context_len, batch, n_gpus=n_gpus).time_s
-    return usd_per_s * prefill / prompt_len * 1e6, usd_per_s * decode / batch * 1e6
+    return _prices_rule(config, gpu, usd_per_gpu_hour, prompt_len, context_len, batch, n_gpus)
 
 
 prices_task = register_task(
@@ -249,7 +231,7 @@ prices_task = register_task(
     "token_prices(config: str, gpu: str, usd_per_gpu_hour: float, prompt_len: int, context_len: int, batch: int, "
     "n_gpus: int = 1) -> tuple[float, float]  (input and output USD per million tokens)",
     reference=reference_token_prices,
-    forbid=("minillm.arithmetic.cost_per_million_tokens",),
+    forbid=("minillm.arithmetic.cost_per_million_tokens", "minillm.book.grading.tasks.ch09._prices_rule"),
 )
 
 _PRICES_HOW = ("usd_per_s = usd_per_gpu_hour * n_gpus / 3600; input = usd_per_s * prefill_time(config, gpu, "
@@ -257,9 +239,11 @@ _PRICES_HOW = ("usd_per_s = usd_per_gpu_hour * n_gpus / 3600; input = usd_per_s 
                "gpu, context_len, batch, n_gpus=n_gpus).time_s / batch * 1e6.")
 
 
-def _prices_variant(config: str, gpu: str, usd: float, prompt_len: int, context_len: int, batch: int, n_gpus: int,
-                    *, gpus_paid: bool = True, per_token: bool = True, hours: bool = True, scale: float = 1e6,
-                    prefill_as_decode: bool = False, ideal_split: bool = True) -> tuple[float, float]:
+def _prices_rule(config: str, gpu: str, usd: float, prompt_len: int, context_len: int, batch: int, n_gpus: int,
+                 *, gpus_paid: bool = True, per_token: bool = True, hours: bool = True, scale: float = 1e6,
+                 prefill_as_decode: bool = False, ideal_split: bool = True) -> tuple[float, float]:
+    """The prices with each step switchable: every default is `reference_token_prices`, and each wrong version of
+    `_PRICES_SUSPECTS` flips one."""
     usd_per_s = usd * (n_gpus if gpus_paid else 1) / (3600 if hours else 1)
     g = n_gpus if ideal_split else 1
     if prefill_as_decode:
@@ -271,20 +255,20 @@ def _prices_variant(config: str, gpu: str, usd: float, prompt_len: int, context_
 
 
 _PRICES_SUSPECTS: list[tuple[Callable, str]] = [
-    (lambda *a: _prices_variant(*a, gpus_paid=False),
+    (lambda *a: _prices_rule(*a, gpus_paid=False),
      "you pay for every GPU of the deployment: usd_per_s = usd_per_gpu_hour * n_gpus / 3600 (the roofline time with "
      "n_gpus is already the shorter time of all of them working together)."),
-    (lambda *a: _prices_variant(*a, ideal_split=False),
+    (lambda *a: _prices_rule(*a, ideal_split=False),
      "pass n_gpus to the roofline too (prefill_time(..., n_gpus=n_gpus), decode_step_time(..., n_gpus=n_gpus)): the "
      "work splits across the GPUs, so the step is shorter, and you pay for all of them."),
-    (lambda *a: _prices_variant(*a, per_token=False),
+    (lambda *a: _prices_rule(*a, per_token=False),
      "a decode step of `batch` sequences yields `batch` tokens: divide the step's cost by batch. That division is "
      "why batching makes output cheap."),
-    (lambda *a: _prices_variant(*a, hours=False),
+    (lambda *a: _prices_rule(*a, hours=False),
      "the price is per GPU-HOUR: divide by 3600 for the cost of a second."),
-    (lambda *a: _prices_variant(*a, scale=1e3),
+    (lambda *a: _prices_rule(*a, scale=1e3),
      "prices are per MILLION tokens: cost per token x 1e6."),
-    (lambda *a: _prices_variant(*a, prefill_as_decode=True),
+    (lambda *a: _prices_rule(*a, prefill_as_decode=True),
      "prompt tokens are not decoded one at a time: the whole prompt runs in ONE forward, prefill_time(config, gpu, "
      "prompt_len), which reads the weights once for all its tokens. Divide that time by prompt_len."),
 ]
@@ -354,25 +338,14 @@ def reference_diagnose(before: dict, after: dict) -> str:
     6. mean batch up by 25% or more: "batch grew".
     7. otherwise "unknown": profile the step.
     """
-    if after["tpot_ms"] <= 1.1 * before["tpot_ms"]:
-        return "none"
-    if after["preemptions"] > before["preemptions"]:
-        return "preemptions"
-    if before["attention"] == "paged kernel" and after["attention"] != "paged kernel":
-        return "kv fallback"
-    if after["speculative"] and after["mean_batch"] >= 32:
-        return "speculation at high batch"
-    if after["constrained_share"] - before["constrained_share"] >= 0.1:
-        return "constrained decoding"
-    if after["mean_batch"] >= 1.25 * before["mean_batch"]:
-        return "batch grew"
-    return "unknown"
+    return _runbook(before, after)
 
 
 diagnose_task = register_task(
     "09.diagnose",
     "diagnose(before: dict, after: dict) -> str  (one of: " + ", ".join(repr(c) for c in CAUSES) + ")",
     reference=reference_diagnose,
+    forbid=("minillm.book.grading.tasks.ch09._runbook",),
 )
 
 _DIAG_HOW = ("follow the runbook in order and stop at the first match: TPOT within 10% -> 'none'; preemptions rose -> "
@@ -405,9 +378,10 @@ def _diag_cases() -> list[tuple[dict, dict]]:
     ]
 
 
-def _diag_variant(b: dict, a: dict, *, check_none: bool = True, batch_first: bool = False, guess: bool = False,
-                  spec_any_batch: bool = False) -> str:
-    """reference_diagnose with one rule changed: the common wrong versions."""
+def _runbook(b: dict, a: dict, *, check_none: bool = True, batch_first: bool = False, guess: bool = False,
+             spec_any_batch: bool = False) -> str:
+    """The runbook with each step switchable: every default is `reference_diagnose`, and each wrong version of
+    `_DIAG_SUSPECTS` flips one."""
     if check_none and a["tpot_ms"] <= 1.1 * b["tpot_ms"]:
         return "none"
     if batch_first and a["mean_batch"] >= 1.25 * b["mean_batch"]:
@@ -426,16 +400,16 @@ def _diag_variant(b: dict, a: dict, *, check_none: bool = True, batch_first: boo
 
 
 _DIAG_SUSPECTS: list[tuple[Callable, str]] = [
-    (lambda b, a: _diag_variant(b, a, check_none=False),
+    (lambda b, a: _runbook(b, a, check_none=False),
      "first check that TPOT really got worse (more than 10% above before): a batch that grew while TPOT held is not a "
      "regression to explain, it is 'none'."),
-    (lambda b, a: _diag_variant(b, a, batch_first=True),
+    (lambda b, a: _runbook(b, a, batch_first=True),
      "check the batch LAST: preemptions and a kernel fallback also come with a bigger or changing batch, and they are "
      "the cause to fix. The runbook's order: preemptions, kernel fallback, speculation, constraints, then the batch."),
-    (lambda b, a: _diag_variant(b, a, guess=True),
+    (lambda b, a: _runbook(b, a, guess=True),
      "when no signal moved enough, say 'unknown' (and profile the step): guessing 'batch grew' sends the on-call "
      "engineer after the wrong fix."),
-    (lambda b, a: _diag_variant(b, a, spec_any_batch=True),
+    (lambda b, a: _runbook(b, a, spec_any_batch=True),
      "blame speculation only at high batch (mean_batch >= 32): there a step is no longer nearly free to widen, and "
      "the verify forward's k + 1 positions per row and its rejected drafts cost real time; at low batch it is what "
      "makes decoding faster."),
