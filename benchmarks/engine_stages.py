@@ -68,8 +68,9 @@ def staged_run(model, requests, max_num_seqs: int, budget: int, profile: bool,  
     profiler = cProfile.Profile() if profile else None
     try:
         longest = max(len(p) + n for p, n in requests)
-        llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16),
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16),  # synchronous: a stage
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,  # timed to its end makes the host wait
+                  async_scheduling=False)
         engine = llm.engine
         for p, n in requests:
             engine.add_request(None, p, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))

@@ -71,10 +71,14 @@ def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[t
     return [([rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
 
 
-def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: float = 0.0) -> dict:  # noqa: ANN001
+def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: float = 0.0,  # noqa: ANN001
+                async_scheduling: bool | None = None) -> dict:
+    """`LLM.generate`'s engine over the requests, stepped here to record each step; async_scheduling None: the
+    engine's default (on, on a GPU)."""
     longest = max(len(p) + n for p, n in requests)
+    kwargs = {} if async_scheduling is None else {"async_scheduling": async_scheduling}
     llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, **kwargs)
     engine = llm.engine
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for _, n in requests]
     ids = [engine.add_request(None, p, sp) for (p, _), sp in zip(requests, params)]
@@ -86,6 +90,8 @@ def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: fl
             if out.finished:
                 outputs[out.request_id] = out
         plan = engine.last_step
+        if not plan.scheduled:  # async scheduling's last call only reads the step before's tokens
+            continue
         contexts = [r.num_computed_tokens for r, _ in plan.scheduled]
         steps.append({"prefill_tokens": plan.num_prefill_tokens, "decode_tokens": plan.num_decode_tokens,
                       "mean_context": statistics.fmean(contexts) if contexts else 0})

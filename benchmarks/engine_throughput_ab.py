@@ -4,10 +4,14 @@ Same model (Llama-3.2-1B shape, random bf16 weights, seed 0), same 256 requests,
 engine_throughput.py; `benchmarks/ab_trees.sh` runs it in an earlier commit's tree and in this one, alternately:
 
     bash benchmarks/ab_trees.sh BASELINE_DIR engine_throughput_ab.py engine_throughput_ab 2
+
+`--modes sync async sync async` runs this tree's engine with async scheduling off and on, alternately, in one
+process (one model, one warm-up), to `--name` (default engine_throughput_ab).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -17,19 +21,34 @@ from engine_throughput import LLAMA_1B, make_requests, random_llama_1b, run_mini
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", choices=["default", "sync", "async"], default=["default"])
+    parser.add_argument("--name", default="engine_throughput_ab")
+    parser.add_argument("--full-warmup", action="store_true",
+                        help="run the whole workload once, untimed, first: the first full run is often slower (kernels "
+                             "compiled for the shapes the 8-request warm-up did not reach)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_throughput_ab.py needs a CUDA GPU.")
     _, model = random_llama_1b()
     requests = make_requests(256, 100, 1024, LLAMA_1B["vocab_size"])
-    run_minillm(model, requests[:8], 8, 2048)  # warm-up: compile the kernels, allocate
-    ours = run_minillm(model, requests, 256, 8192)
-    steps = ours.pop("steps")
-    ours["mean_decode_batch"] = statistics.fmean(s["decode_tokens"] for s in steps)
-    ours["num_steps"] = len(steps)
-    path = write_results("engine_throughput_ab", {"benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, "
-                                                  "Llama-3.2-1B shape, random bf16 weights", "minillm": ours})
-    print(f"minillm: {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.2f} s, {len(steps)} steps); "
-          f"written to {path}")
+    if args.full_warmup:
+        run_minillm(model, requests, 256, 8192)
+    runs = []
+    for mode in args.modes:
+        flag = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True}}.get(mode, {})
+        run_minillm(model, requests[:8], 8, 2048, **flag)  # warm-up: compile the kernels, allocate
+        ours = run_minillm(model, requests, 256, 8192, **flag)
+        steps = ours.pop("steps")
+        ours.update(mode=mode, mean_decode_batch=statistics.fmean(s["decode_tokens"] for s in steps),
+                    num_steps=len(steps))
+        runs.append(ours)
+        print(f"minillm ({mode}): {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.2f} s, "
+              f"{len(steps)} steps)", flush=True)
+    path = write_results(args.name, {"benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, "
+                                     "Llama-3.2-1B shape, random bf16 weights", "settings": vars(args),
+                                     "minillm": runs[0], "runs": runs})
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":

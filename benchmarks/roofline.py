@@ -171,11 +171,14 @@ def graph_steps(model, batch: int, context: int, steps: int, fused: bool = True)
     return out
 
 
-def engine_decode(model, batch: int, context: int, steps: int) -> dict:  # noqa: ANN001
-    """`LLMEngine` on `batch` requests: seconds per decode-only step (its graphs captured at the first)."""
+def engine_decode(model, batch: int, context: int, steps: int, async_scheduling: bool = True) -> dict:  # noqa: ANN001
+    """`LLMEngine` on `batch` requests: seconds per decode-only step (its graphs captured at the first). With async
+    scheduling a step() returns once the step before's tokens are read and this one's are queued, so in the steady
+    state the time between two calls is the period of the loop: the slower of the host's work and the GPU's."""
     blocks = batch * arithmetic.kv_blocks(context + steps + 1, 16) + 2
     engine = LLMEngine(model, None, num_blocks=blocks, max_num_seqs=batch,
-                       max_num_batched_tokens=max(8 * context, batch), enable_prefix_caching=False)
+                       max_num_batched_tokens=max(8 * context, batch), enable_prefix_caching=False,
+                       async_scheduling=async_scheduling)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for p in torch.randint(2, model.config.vocab_size, (batch, context), generator=g).tolist():
@@ -184,13 +187,13 @@ def engine_decode(model, batch: int, context: int, steps: int) -> dict:  # noqa:
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
-        seconds = time.perf_counter() - start  # step() ends on the host reading the sampled tokens: synchronised
+        seconds = time.perf_counter() - start  # ends reading sampled tokens: this step's, or (async) the last's
         plan = engine.last_step
         if plan.num_prefill_tokens == 0 and plan.num_decode_tokens == batch:
             times.append(seconds)
     capture = engine.graphs.capture_seconds if engine.graphs else None
-    return {"engine_step_s": statistics.median(times[1:]), "engine_capture_s": capture,
-            "engine_graphs": engine.graphs is not None}
+    key = "engine_step_s" if async_scheduling else "engine_sync_step_s"
+    return {key: statistics.median(times[1:]), "engine_capture_s": capture, "engine_graphs": engine.graphs is not None}
 
 
 def hf_decode(hf, batch: int, context: int, steps: int, static: bool) -> dict:  # noqa: ANN001
@@ -247,7 +250,8 @@ def main() -> None:
             row.update(graph_steps(model, batch, args.context, args.steps))
             row.update(graph_steps(model, batch, args.context, args.steps, fused=False))
             torch.cuda.empty_cache()
-            row.update(engine_decode(model, batch, args.context, args.steps))
+            row.update(engine_decode(model, batch, args.context, args.steps, async_scheduling=False))
+            row.update(engine_decode(model, batch, args.context, args.steps, async_scheduling=True))
             if args.hf != "none":
                 row["hf_eager"] = hf_decode(hf, batch, args.context, args.steps, static=False)
                 if args.hf == "both" and batch == 1:
@@ -256,7 +260,8 @@ def main() -> None:
                     except Exception as error:  # noqa: BLE001 - report why, keep the rest of the run
                         row["hf_static"] = {"error": f"{type(error).__name__}: {error}"[:400]}
             roof = row["roofline_step_s"]
-            for key in ("eager_step_s", "unfused_graph_step_s", "graph_step_s", "graph_replay_s", "engine_step_s"):
+            for key in ("eager_step_s", "unfused_graph_step_s", "graph_step_s", "graph_replay_s", "engine_sync_step_s",
+                        "engine_step_s"):
                 row[key[:-2] + "_fraction"] = roof / row[key]
             for key in ("hf_eager", "hf_static"):
                 if key in row and "step_s" in row[key]:
@@ -270,7 +275,7 @@ def main() -> None:
     path = write_results(args.name, {"copy_bandwidth_bytes_per_s": bandwidth, "context": args.context,
                                      "steps": args.steps, "rows": rows})
     print(f"\nwrote {path}\n")
-    columns = ["eager", "unfused graph", "graph step", "replay", "engine", "|", "hf eager", "hf static"]
+    columns = ["eager", "unfused graph", "graph step", "replay", "engine sync", "engine", "|", "hf eager", "hf static"]
     print(f"{'shape':9} {'B':>3} {'roofline':>9} | " + " ".join(c if c == "|" else f"{c:>13}" for c in columns))
 
     def cell(seconds: float | None) -> str:
@@ -280,7 +285,7 @@ def main() -> None:
         hf_static = row.get("hf_static", {}).get("step_s")
         print(f"{row['shape']:9} {row['batch']:>3} {row['roofline_step_s'] * 1e3:7.2f}ms | "
               + " ".join(cell(row[k]) for k in ("eager_step_s", "unfused_graph_step_s", "graph_step_s",
-                                                   "graph_replay_s", "engine_step_s"))
+                                                   "graph_replay_s", "engine_sync_step_s", "engine_step_s"))
               + f" | {cell(row.get('hf_eager', {}).get('step_s'))} {cell(hf_static)}")
     for row in rows:
         for key in ("eager_profile", "graph_profile"):

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.transfer import to_device
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by them would overflow float32."""
 
@@ -76,8 +78,9 @@ class SamplingParams:
         top_k: keep only the k most likely tokens (0 = off).
         top_p: keep the smallest set of most likely tokens whose probability reaches p, in (0, 1] (1 = off).
         min_p: keep tokens with probability >= min_p * the top token's, in [0, 1] (0 = off).
-        repetition_penalty: > 0; tokens already in the prompt or the output get positive logits divided
-            by it and negative ones multiplied (1 = off, > 1 discourages repeats, < 1 encourages them).
+        repetition_penalty: in [1e-4, 1e4]; tokens already in the prompt or the output get positive logits divided
+            by it and negative ones multiplied (1 = off, > 1 discourages repeats, < 1 encourages them). Further
+            from 1, float32 logits overflow (a logit of 5 divided by 1e-38 is infinite) and sampling breaks.
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was generated (0 = off).
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token generated so far (0 = off).
         max_tokens: the most tokens to generate, >= 1.
@@ -117,7 +120,8 @@ class SamplingParams:
         self.top_p = _check_real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
         self.min_p = _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
         self.repetition_penalty = _check_real(
-            "repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0 (1 = off)"
+            "repetition_penalty", self.repetition_penalty, lambda v: 1e-4 <= v <= 1e4,
+            "in [1e-4, 1e4] (1 = off; beyond, float32 logits overflow)"
         )
         for name in ("frequency_penalty", "presence_penalty"):
             setattr(self, name, _check_real(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2] (0 = off)"))
@@ -161,12 +165,12 @@ def _per_row(value: float | torch.Tensor, logits: torch.Tensor, dtype: torch.dty
 
 def token_counts(token_ids: TokenIds, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """How often each token occurs in each row: token_ids (B lists of ids) -> counts [B, V] (int64)."""
-    flat = torch.tensor([int(t) for ids in token_ids for t in ids], dtype=torch.long, device=device)
-    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < vocab_size:
-        raise ValueError(
-            f"token ids must be in [0, {vocab_size}), got ids from {int(flat.min())} to {int(flat.max())}."
-        )
-    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
+    ids = [int(t) for row in token_ids for t in row]
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # checked on the host: no wait for the device
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {min(ids)} to {max(ids)}.")
+    device = torch.device(device or "cpu")
+    flat = to_device(ids, torch.long, device)
+    lengths = to_device([len(row) for row in token_ids], torch.long, device)
     rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)  # row of each id
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.long, device=device)
     return counts.index_put_((rows, flat), torch.ones_like(flat), accumulate=True)
@@ -317,8 +321,9 @@ def process_logits(
     rows = _rows(params, logits.shape[0])
     logits = logits.float()
 
-    def column(name: str) -> torch.Tensor:  # one value per row [B]
-        return torch.tensor([getattr(r, name) for r in rows], device=logits.device)
+    def column(name: str, values: list | None = None) -> torch.Tensor:  # one value per row [B], copied without a wait
+        values = [getattr(r, name) for r in rows] if values is None else values
+        return to_device(values, torch.long if name == "top_k" else torch.float32, logits.device)
 
     if any(r.repetition_penalty != 1 for r in rows):
         if prompt_ids is None and output_ids is None:
@@ -332,7 +337,7 @@ def process_logits(
         counts = token_counts(output_ids, logits.shape[-1], logits.device)
         logits = apply_penalties(logits, counts, column("frequency_penalty"), column("presence_penalty"))
     if any(not r.greedy and r.temperature != 1 for r in rows):
-        logits = apply_temperature(logits, torch.tensor([0.0 if r.greedy else r.temperature for r in rows]))
+        logits = apply_temperature(logits, column("temperature", [0.0 if r.greedy else r.temperature for r in rows]))
     if any(r.top_k > 0 for r in rows):
         logits = top_k_filter(logits, column("top_k"))
     if any(r.top_p < 1 for r in rows):
@@ -378,12 +383,12 @@ def sample(
         drawn = tokens.clone()
         shared = [i for i, (g, r) in enumerate(zip(generators, rows)) if g is None and not r.greedy]
         if shared:  # rows without a generator of their own: one draw for all of them, from torch's global one
-            which = torch.tensor(shared, device=logits.device)
+            which = to_device(shared, torch.long, logits.device)
             drawn[which] = torch.multinomial(probs[which], 1).squeeze(-1)
         for i, (g, r) in enumerate(zip(generators, rows)):
             if g is not None and not r.greedy:  # a seeded row: the same call as drawing for this row alone
                 drawn[i] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
-    greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+    greedy = to_device([r.greedy for r in rows], torch.bool, logits.device)
     return torch.where(greedy, tokens, drawn)
 
 
@@ -415,10 +420,17 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0) -> 
         tokens: [B], the tokens picked.
         k: how many most likely tokens to list per row (0 = none).
     """
-    logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
-    chosen = logprobs.gather(-1, tokens.reshape(-1, 1)).squeeze(-1)  # [B]
-    top_logprobs = [([], [])] * logprobs.shape[0]
-    if k > 0:
-        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # values, indices [B, k]
+    chosen, top = logprob_tensors(logits, tokens, k)
+    top_logprobs = [([], [])] * logits.shape[0]
+    if top is not None:
         top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))  # one copy to the host for all rows
     return SampleOutput(tokens, chosen, top_logprobs)
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, object | None]:
+    """`compute_logprobs` left on the device: the chosen tokens' log-probabilities [B] (float32), and each row's k
+    most likely tokens (`torch.topk`'s values and indices, [B, k]; None when k is 0)."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(-1, tokens.reshape(-1, 1)).squeeze(-1)  # [B]
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k > 0 else None
+    return chosen, top

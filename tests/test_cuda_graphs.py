@@ -139,9 +139,10 @@ def test_a_sequence_longer_than_the_graphs_is_refused(model):
 
 
 # ------------------------------------------------------------------ CUDA: replayed graphs vs eager
-def engine_tokens(model, prompts, cuda_graphs, max_num_seqs=8, kv_cache_dtype="auto", **params):
+def engine_tokens(model, prompts, cuda_graphs, max_num_seqs=8, kv_cache_dtype="auto", async_scheduling=None,
+                  **params):
     engine = LLMEngine(model, num_blocks=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-                       cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
+                       cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
     sp = SamplingParams(**{"temperature": 0, "max_tokens": 24, "ignore_eos": True, **params})
     ids = [engine.add_request(None, p, sp) for p in prompts]
     finished = engine.run()
@@ -159,17 +160,78 @@ def test_graphs_give_the_eager_tokens_on_a_quantised_cache():
             == engine_tokens(model, prompts, False, 8, kv_cache_dtype="int8"))
 
 
+@interpreter_only
+def test_a_step_fed_from_the_device_equals_a_step_fed_from_the_host(model):
+    """Async scheduling: rows whose token is still on the device carry a placeholder (`inflight_token`), which the
+    step swaps for the step before's sampled token after copying its inputs. Same logits, same block tables (the
+    placeholders committed, then resolved) as feeding the tokens from the host."""
+    from minillm.engine.sequence import inflight_token
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4096) for _ in range(n)] for n in (16, 9)]  # the first fills its block exactly
+    caches = [PagedKVCache(model.config, 16, 16) for _ in range(2)]
+    graphs = [DecodeGraphs(model, c, max_batch=2, capture=False) for c in caches]
+    nxt = [prefill(model, c, prompts) for c in caches][0]
+    previous = torch.tensor([99, nxt[1], nxt[0]])  # the step before's tokens; row 2 is sequence 0's, row 1 is 1's
+    want = graphs[0].run([0, 1], nxt)
+    got = graphs[1].run([0, 1], [inflight_token(2), inflight_token(1)], previous=previous)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert caches[1].block_tables[0].token_ids[-1] == inflight_token(2)
+    for i, token in enumerate(nxt):
+        caches[1].resolve_token(i, len(prompts[i]), token)
+    for i in range(2):
+        assert caches[1].block_tables[i].token_ids == caches[0].block_tables[i].token_ids
+
+
+@cuda_only
+def test_the_async_engine_never_makes_the_host_wait_for_the_gpu():
+    """Between its first decode steps (graph capture) and the end, an async engine's steps run under CUDA's sync
+    debug mode: any operation that blocks the host until the GPU catches up (a `.item()`, a copy from pageable
+    memory, a `.tolist()` of a device tensor) raises, and the failure names where. The one wait allowed is on the
+    event after the step before's tokens reach pinned memory, which is not such an operation. Greedy and sampled
+    (seeded, with logprobs) rows."""
+    import traceback
+
+    model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
+    for params in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, seed=3, logprobs=2)):
+        engine = LLMEngine(model, num_blocks=64, max_num_seqs=8, async_scheduling=True)
+        assert engine.async_scheduling
+        for p in prompts:
+            engine.add_request(None, p, SamplingParams(max_tokens=40, ignore_eos=True, **params))
+        for _ in range(4):  # the prompts, then the first decode steps, which capture the graphs
+            engine.step()
+        assert engine.graphs is not None
+        for p in prompts[:2]:  # arrivals in the watched steps: prompt work (eager, prefix cache hits) beside decodes
+            engine.add_request(None, p + [7] * 20, SamplingParams(max_tokens=10, ignore_eos=True, **params))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.run()
+        except RuntimeError as error:
+            frames = [f"{f.filename.split('minillm/')[-1]}:{f.lineno} {f.line}"
+                      for f in traceback.extract_tb(error.__traceback__) if "minillm" in f.filename]
+            pytest.fail(f"{params}: the host waited for the GPU ({error}) at:\n" + "\n".join(frames))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not engine.has_unfinished_requests()
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphs_give_the_eager_tokens(dtype):
     """Nine requests of different lengths (batches 9 down to 1: padded sizes 16, 8, 4, 2, 1), greedy and
-    seeded sampling: the same tokens with the graphs as without."""
+    seeded sampling: the same tokens with the graphs as without, and one step ahead (async scheduling, where the
+    graph's input tokens come from the step before's sampled tokens on the device) as synchronously."""
     model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=dtype)
     rng = random.Random(1)
     prompts = [[rng.randrange(4096) for _ in range(rng.randrange(3, 60))] for _ in range(9)]
-    assert engine_tokens(model, prompts, True, 16) == engine_tokens(model, prompts, False, 16)
-    sampled = dict(temperature=0.8, top_p=0.9, seed=3)
-    assert engine_tokens(model, prompts, True, 16, **sampled) == engine_tokens(model, prompts, False, 16, **sampled)
+    for params in ({}, dict(temperature=0.8, top_p=0.9, seed=3)):
+        want = engine_tokens(model, prompts, False, 16, async_scheduling=False, **params)
+        for graphs, ahead in ((True, False), (True, True), (False, True)):
+            assert engine_tokens(model, prompts, graphs, 16, async_scheduling=ahead, **params) == want, (
+                f"cuda_graphs={graphs}, async_scheduling={ahead}, {params or 'greedy'}")
 
 
 @cuda_only
@@ -190,7 +252,7 @@ def test_graph_replay_matches_the_eager_step_and_generate_uses_it(monkeypatch):
 
     replays = []
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[0])) or run(self, *a))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a, **k: replays.append(len(a[0])) or run(self, *a, **k))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     fast = minillm.generate(model, "ROMEO:", params, tok)
     assert replays == [1] * 29, "generate's 29 decode steps replay the batch-1 graph"

@@ -40,6 +40,7 @@ import torch
 
 from minillm.arithmetic import cdiv
 from minillm.engine.kv_cache import PagedKVCache, StepInputs, rows_to_tensor, step_rows, store_kv
+from minillm.engine.sequence import swap_inflight
 from minillm.model import PagedDecode, Transformer, use_triton_attention
 from minillm.quant.kv import kernel_pool
 
@@ -277,11 +278,14 @@ class DecodeGraphs:
         return size, width
 
     @torch.inference_mode()
-    def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> torch.Tensor:
+    def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int],
+            previous: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step: token_ids[b] follows what seq_ids[b] holds. Returns logits [len(seq_ids), vocab].
 
         Allocates the blocks the step needs (as `PagedKVCache.prepare` does), fills and copies the inputs,
-        replays the graph of the padded size, and commits the tokens to their block tables.
+        replays the graph of the padded size, and commits the tokens to their block tables. A negative token
+        is still on the device (async scheduling): it is taken from `previous`, the step before's sampled
+        tokens, on the device, after the copy and before the replay.
         """
         if not seq_ids or len(seq_ids) != len(token_ids):
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
@@ -290,6 +294,8 @@ class DecodeGraphs:
         self.inputs[:size, :width].copy_(self.staging[:size, :width], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if previous is not None:
+            swap_inflight(self.inputs[:size, TOKEN], previous)
         if self.capture:
             self.graphs[size].replay()
             logits = self.outputs[size][: len(seq_ids)].clone()  # the output buffer is rewritten by the next replay

@@ -79,6 +79,7 @@ from minillm.quant.kv import (
     kv_storage_dtype,
     quantize_kv,
 )
+from minillm.transfer import to_device
 
 
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: float, block_size: int = BLOCK_SIZE,
@@ -333,12 +334,31 @@ class PagedKVCache:
         filled in the prefix cache (called by `PagedCacheView.advance`)."""
         for table, new in zip(tables, token_ids):
             table.token_ids.extend(new)
-            if not self.allocator.enable_prefix_caching:
-                continue
-            for i in range(len(table.block_hashes), table.num_tokens // self.block_size):
-                tokens = table.token_ids[i * self.block_size : (i + 1) * self.block_size]
-                table.block_hashes.append(block_hash(table.block_hashes[-1] if i else table.root_hash, tokens))
-                self.allocator.cache_block(table.block_ids[i], table.block_hashes[-1])
+            self._name_full_blocks(table)
+
+    def _name_full_blocks(self, table: BlockTable) -> None:
+        """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token
+        still in flight (a negative placeholder, async scheduling) waits, and the blocks after it, until
+        `resolve_token` gives the token its value: a block's name is the hash of its real tokens."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(table.block_hashes), table.num_tokens // bs):
+            tokens = table.token_ids[i * bs : (i + 1) * bs]
+            if min(tokens) < 0:
+                return
+            table.block_hashes.append(block_hash(table.block_hashes[-1] if i else table.root_hash, tokens))
+            self.allocator.cache_block(table.block_ids[i], table.block_hashes[-1])
+
+    def resolve_token(self, seq_id: Hashable, position: int, token: int) -> None:
+        """Async scheduling: the token at `position` of seq_id, committed as a placeholder while it was on the
+        device, is now known. Sets it in the table (if the sequence still holds one that far: it may have been
+        freed, or not run since) and names the blocks that are now complete."""
+        table = self.block_tables.get(seq_id)
+        if table is None or table.num_tokens <= position:
+            return
+        table.token_ids[position] = token
+        self._name_full_blocks(table)
 
 
 def step_rows(tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]], T: int) -> list[list[int]]:
@@ -408,7 +428,7 @@ class StepInputs:
         T = max(len(new) for new in token_ids)
         rows = step_rows(tables, token_ids, T)
         width = max(len(r) for r in rows)
-        return cls(rows_to_tensor(rows, width).to(device), T)
+        return cls(to_device(rows_to_tensor(rows, width), None, device), T)  # the host does not wait
 
 
 class PagedCacheView:
@@ -455,7 +475,7 @@ class PagedCacheView:
         self.write_rows: torch.Tensor | None = None  # with padding: the flat indices of the real tokens in [B * T]
         if self.padded:
             rows = [b * self.T + j for b, n in enumerate(self.num_new) for j in range(self.T - n, self.T)]
-            self.write_rows = torch.tensor(rows, device=cache.device)
+            self.write_rows = to_device(rows, torch.int64, cache.device)
             self.write_slots = self.write_slots.index_select(0, self.write_rows)
         self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
         self._read_slots: torch.Tensor | None = None

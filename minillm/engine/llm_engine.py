@@ -16,6 +16,20 @@ then applies the stop rules and returns what each sequence gained in this step (
 Everything about one sequence (tokens, params, generator, text, stop and DFA state) is its
 `minillm.engine.sequence.Sequence`; the engine keeps no other per-sequence state.
 
+Async scheduling (`async_scheduling=True`, the default on a GPU; vLLM's option of the same name, SGLang's
+"overlap scheduler"). Run in that order, the host and the GPU take turns: the GPU idles while the host
+schedules, builds the inputs, reads the tokens and applies the stop rules, and the host idles while the
+GPU computes. So a step's sampled tokens stay on the device, and the host runs one step ahead:
+
+    step t:  schedule t ─► launch forward t ─► read t-1's tokens, stop rules ─► launch sampling t ─► t-1's outputs
+             (a row whose token from t-1 is still on the device feeds a placeholder, swapped there for it)
+
+The read waits only for step t-1's tokens, while forward t runs. Sampling t comes after it, so that a
+constrained row's automaton and a penalised row's counts include t-1's token, and a row that t-1 ended
+is not sampled: a finished sequence computes at most one more row, which is dropped, never emitted. A
+sequence whose last token (max_tokens) is in flight is not scheduled again. The block tables hold the
+placeholder until the read, and a block is named in the prefix cache only once its tokens are known.
+
 `LLM(model).generate(prompts, params)` runs the engine to the end over a list of prompts (offline
 batch inference, with a progress bar). Names follow vLLM: `LLMEngine.add_request / step /
 abort_request / has_unfinished_requests`, `LLM.generate`, `SamplingParams`, `RequestOutput`.
@@ -53,7 +67,7 @@ from minillm.constrained import TokenIndex, masks_for
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
-from minillm.engine.model_runner import ModelRunner, SampledTokens
+from minillm.engine.model_runner import ModelRunner, SampledTokens, StepTokens
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import Constraint, default_eos_ids, prepare_prompt
 from minillm.engine.sequence import Sequence as Seq
@@ -62,6 +76,7 @@ from minillm.quant.kv import check_kv_cache_dtype
 from minillm.sampling import SamplingParams
 from minillm.speculative import SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
+from minillm.transfer import to_device
 
 
 @dataclass
@@ -131,6 +146,11 @@ class LLMEngine:
             run in one step; others wait for a slot (loaded on demand, least recently used evicted).
         max_lora_rank: the slots' rank (smaller adapters are padded with zeros); default: the largest rank of
             lora_modules, or 16 (vLLM's default) when adapters only come later through `add_lora`.
+        async_scheduling: overlap the host with the GPU (vLLM's option of the same name): a step's sampled tokens
+            stay on the device and feed the next step's forward there; the host reads them (stop rules, text,
+            outputs) while that next forward runs, so each `step()` returns the previous step's outputs. Default:
+            on for a CUDA model (off with speculative decoding or tensor parallelism, which need the tokens on the
+            host before the next forward); on a CPU it changes nothing but the order, and is off.
     """
 
     def __init__(
@@ -152,7 +172,16 @@ class LLMEngine:
         lora_modules: dict[str, str | Path | object] | None = None,
         max_loras: int = 4,
         max_lora_rank: int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
+        if async_scheduling is None:  # on where the host and the GPU can overlap, and nothing forbids it
+            async_scheduling = model.device.type == "cuda" and speculative is None and tensor_parallel_size == 1
+        if async_scheduling and (speculative is not None or tensor_parallel_size != 1):
+            raise ValueError("async_scheduling=True runs ahead of the host, which a speculative step (its drafts come "
+                             "from the tokens so far) and tensor parallelism (its workers get the tokens from the "
+                             "host) cannot: leave async_scheduling unset with them.")
+        self.async_scheduling = async_scheduling
+        self.inflight: StepTokens | None = None  # with async scheduling: the latest step's tokens, not read yet
         self.tp = None
         if tensor_parallel_size != 1:
             if speculative is not None or compile_decode:
@@ -389,7 +418,7 @@ class LLMEngine:
             self.speculative.drafter.release(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.inflight is not None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (nothing to do for a one-process engine)."""
@@ -404,28 +433,85 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model, sample; the outputs of the sequences that got a token in this step.
+        """Schedule, run the model, sample; the outputs of the sequences that got a token.
 
-        finished_only: return outputs only for the sequences that finished in this step. An output carries the whole
-        completion so far (its tokens, their times and log-probabilities), so building one for every running
-        sequence at every step copies O(length) per token: quadratic in the output length. A caller that waits for
-        the end (`run`, `LLM.generate`) skips that; a streaming server needs every step's delta and keeps it.
+        With async scheduling the tokens a step samples stay on the device and are read by the next call, while
+        that call's forward runs: each call returns the previous step's outputs (see the module docstring).
+
+        finished_only: return outputs only for the sequences that finished. An output carries the whole completion
+        so far (its tokens, their times and log-probabilities), so building one for every running sequence at
+        every step copies O(length) per token: quadratic in the output length. A caller that waits for the end
+        (`run`, `LLM.generate`) skips that; a streaming server needs every step's delta and keeps it.
         """
         plan = self.scheduler.schedule()
         self.last_step = plan
         self.num_preemptions += len(plan.preempted)
-        if not plan.scheduled:
+        if not plan.scheduled and self.inflight is None:
             return []
         # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
         speculating, plain = [], []
         for seq, n in plan.scheduled:
             (speculating if self._speculates(seq, n) else plain).append((seq, n))
-        results = []
+        verified = []
         if speculating:
-            results = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
-                                                           self.spec_stats)
-        if plain:
-            results = self._run_plain(plain) + results
+            verified = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
+                                                            self.spec_stats)
+        logits = self._forward(plain) if plain else None  # queued on the device; the host goes on
+        outputs = []
+        if self.inflight is not None:  # the step before's tokens, read while this step's forward runs
+            outputs = self._append(self._read_inflight(), finished_only)
+        sampled = self._sample(plain, logits) if plain else None  # after that read: it may have finished rows
+        if sampled is not None and self.async_scheduling:
+            for row, seq in enumerate(sampled.seqs):
+                seq.num_inflight, seq.inflight_row = 1, row
+            self.inflight = sampled
+            return outputs
+        return outputs + self._append((sampled.read() if sampled is not None else []) + verified, finished_only)
+
+    def _forward(self, scheduled: list[tuple[Seq, int]]) -> torch.Tensor:
+        """Run the model over the scheduled rows' new tokens: logits [B, V] of each row's last one (on the device).
+        A row's token still in flight is a placeholder, taken from the step before's tokens on the device."""
+        seqs = [s for s, _ in scheduled]
+        chunks = [s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
+        previous = self.inflight.tokens if self.inflight is not None else None
+        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks,  # [B, V]: each row's last new token
+                                           [s.lora for s in seqs] if self.lora_slots is not None else None, previous)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        return logits
+
+    def _sample(self, scheduled: list[tuple[Seq, int]], logits: torch.Tensor) -> StepTokens | None:
+        """Sample one token for every row whose prompt is done (and that did not finish meanwhile). A row whose prompt
+        just completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
+        rows, which = [], []
+        for i, (seq, _) in enumerate(scheduled):
+            if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
+                for s in [seq, *self._fork(seq)]:
+                    rows.append(s)
+                    which.append(i)
+        if not rows:
+            return None
+        if which != list(range(len(logits))):  # (indexing by a list would copy it to the GPU from pageable memory)
+            logits = logits.index_select(0, to_device(which, torch.long, logits.device))
+        return self.model_runner.sample(rows, logits)
+
+    def _read_inflight(self) -> list[SampledTokens]:
+        """Async scheduling: wait for the step before's tokens, and make them the host's. Each token takes its place
+        in its block table (where it was a placeholder); the rows of sequences finished meanwhile are dropped."""
+        sampled, self.inflight = self.inflight, None
+        results = []
+        for result in sampled.read():
+            seq = result.seq
+            seq.num_inflight = 0
+            if seq.is_finished:  # aborted, or finished by a token read before this one
+                continue
+            self.cache.resolve_token(seq.seq_id, seq.num_tokens, result.token_ids[0])
+            results.append(result)
+        return results
+
+    def _append(self, results: list[SampledTokens], finished_only: bool) -> list[RequestOutput]:
+        """Give each sequence its new tokens (stop rules applied: a finished sequence frees its blocks), and return
+        the outputs the caller asked for."""
         now = time.perf_counter()
         outputs = []
         for seq, tokens, logprobs, tops in results:
@@ -444,35 +530,16 @@ class LLMEngine:
                 outputs.append(self._output(seq, new_ids, seq.text[text_before:]))
         return outputs
 
-    def _run_plain(self, scheduled: list[tuple[Seq, int]]) -> list[SampledTokens]:
-        """Run the forward and sample one token for every row whose prompt is done. A row whose prompt just
-        completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
-        seqs = [s for s, _ in scheduled]
-        chunks = [s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
-        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks,  # [B, V]: each row's last new token
-                                           [s.lora for s in seqs] if self.lora_slots is not None else None)
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
-        rows, which = [], []
-        for i, seq in enumerate(seqs):
-            if seq.num_uncomputed_tokens == 0:
-                for s in [seq, *self._fork(seq)]:
-                    rows.append(s)
-                    which.append(i)
-        if not rows:
-            return []
-        return self.model_runner.sample(rows, logits[which])
-
     def _speculates(self, seq: Seq, n: int) -> bool:
         """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go."""
         return (self.speculative is not None and n == 1 and not seq.is_prefill and seq.constraint is None
-                and seq.params.max_tokens - len(seq.output_token_ids) >= 2)
+                and seq.params.max_tokens - seq.num_output_tokens >= 2)
 
     def _fork(self, seq: Seq) -> list[Seq]:
         """If this is a request's first sequence, its prompt just completed and it asks for best_of > 1: the
         request's other sequences, forked from it (sharing its blocks) and running from now on."""
         best_of = seq.params.best_of or seq.params.n
-        if seq.index != 0 or best_of == 1 or seq.output_token_ids:
+        if seq.index != 0 or best_of == 1 or seq.num_output_tokens:
             return []
         children = []
         for index in range(1, best_of):

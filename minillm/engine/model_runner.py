@@ -4,12 +4,14 @@ The engine's step is schedule -> run -> postprocess. This module is the middle: 
 run and their new tokens, it makes the step's inputs (`PagedKVCache.prepare`, or the CUDA graphs'
 buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and turns logits into tokens:
 
-    forward(seq_ids, token_ids, loras)
+    forward(seq_ids, token_ids, loras, previous)
                                    the logits of each row's last new token, [B, vocab]:
                                    decode rows (one new token) as one batch, replayed as a CUDA graph
                                    where one was captured, prompt chunks as another batch, eager;
-                                   each row under its LoRA adapter (or none), chapter 08
-    sample(seqs, logits)           one token per row, each with its own params, generator and constraint
+                                   each row under its LoRA adapter (or none), chapter 08; tokens still
+                                   on the device (async scheduling) taken from `previous`
+    sample(seqs, logits)           one token per row, each with its own params, generator and constraint,
+                                   on the device; `StepTokens.read()` brings them to the host
     speculative_decode(seqs, ...)  chapter 07's step variant: draft, verify in one forward, roll back
 
 `paged_forward` is the eager forward itself, which beam search and the draft model (each with a cache
@@ -29,8 +31,9 @@ from minillm.engine.block_manager import NoFreeBlocksError
 from minillm.engine.cuda_graphs import DecodeGraphs, graphs_unavailable
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.sequence import Sequence as Seq
+from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
-from minillm.sampling import compute_logprobs, sample
+from minillm.sampling import compute_logprobs, logprob_tensors, sample
 
 log = logging.getLogger("minillm")
 
@@ -45,17 +48,53 @@ class SampledTokens(NamedTuple):
     top_logprobs: list[dict[int, float]]
 
 
+class StepTokens:
+    """The tokens one step sampled, on the device, and their copy to the host under way.
+
+    `tokens` [B] stays on the device: with async scheduling the next step reads its inputs from it
+    (`swap_inflight`). The tokens and their log-probabilities are copied to pinned host memory without
+    the host waiting; `read()` waits for that copy alone (not for later work queued on the GPU).
+    """
+
+    def __init__(self, seqs: list[Seq], tokens: torch.Tensor, chosen: torch.Tensor, top: Any, k: int) -> None:
+        self.seqs, self.tokens, self.k = seqs, tokens, k
+        on_gpu = tokens.device.type == "cuda"
+        on_device = (tokens, chosen, *((top.indices, top.values) if top is not None else ()))
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_device] if on_gpu else []
+        self.host = [p.copy_(t, non_blocking=True) for p, t in zip(pinned, on_device)] if on_gpu else list(on_device)
+        self.copied = torch.cuda.Event() if on_gpu else None
+        if self.copied is not None:
+            self.copied.record()
+
+    def read(self) -> list[SampledTokens]:
+        """Wait for the copy, then each row's token, its log-probability and its top alternatives as wanted."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, chosen = self.host[0].tolist(), self.host[1].tolist()
+        top_ids, top_values = (self.host[2].tolist(), self.host[3].tolist()) if self.k else ([], [])
+        out = []
+        for j, seq in enumerate(self.seqs):
+            k = seq.params.logprobs or 0
+            top = dict(zip(top_ids[j][:k], top_values[j][:k])) if k else {}
+            out.append(SampledTokens(seq, [tokens[j]], [chosen[j]], [top]))
+        return out
+
+
 @torch.inference_mode()
 def paged_forward(
-    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+    previous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One eager forward of the model over new tokens of several sequences of `cache` (chapter 04).
 
     token_ids[i] (one or more ids) follow what seq_ids[i] already holds; prefill, chunks and decode
     tokens may be mixed. Returns the logits of each sequence's last new token, [len(seq_ids), vocab]:
-    what chooses its next token.
+    what chooses its next token. `previous`: the step before's sampled tokens on the device, which
+    placeholders among token_ids stand for (async scheduling, `minillm.engine.sequence.inflight_token`).
     """
     view = cache.prepare(seq_ids, token_ids)
+    if previous is not None:
+        swap_inflight(view.tokens, previous)
     return model(view.tokens, cache=view, last_only=True)[:, -1]
 
 
@@ -99,9 +138,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-                loras: Sequence[str | None] | None = None) -> torch.Tensor:
+                loras: Sequence[str | None] | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds,
-        under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08).
+        under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08). A negative id is a token
+        still on the device (async scheduling): `previous` [B'] holds the step before's sampled tokens.
 
         The model takes a rectangular batch [B, T], so rows shorter than the longest are padded, and padding
         costs as much compute as a token. A 512-token prompt chunk beside 40 decodes would make 41 x 512
@@ -118,13 +158,15 @@ class ModelRunner:
                 continue
             ids = [seq_ids[i] for i in group]
             names = [loras[i] for i in group] if loras is not None else []
+            tokens = [token_ids[i] for i in group]
+            swap = {"previous": previous} if previous is not None and any(min(t) < 0 for t in tokens) else {}
             if any(name is not None for name in names):  # LoRA rows: eager, each row's slot set for this forward
                 with self.lora.rows(names):
-                    rows = self.paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
+                    rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
-                rows = self.graphs.run(ids, [token_ids[i][0] for i in group])
+                rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
             else:
-                rows = self.paged_forward(self.model, self.cache, ids, [token_ids[i] for i in group])
+                rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             for j, i in enumerate(group):
                 logits[i] = rows[j]
         return torch.stack(logits)
@@ -142,18 +184,18 @@ class ModelRunner:
         return self.graphs
 
     # ------------------------------------------------------------------ choosing tokens
-    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[SampledTokens]:
+    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> StepTokens:
         """One token for each of seqs from its row of logits [len(seqs), V]: each with its own params and
-        generator, constrained rows masked to what their pattern allows; log-probabilities of the raw logits."""
+        generator, constrained rows masked to what their pattern allows; log-probabilities of the raw logits.
+
+        Everything stays on the device, and the host does not wait: the result's `read()` brings the whole batch
+        over at once (one copy each of the tokens and their log-probabilities; a float(...) per row would make
+        the host wait on the GPU once per row)."""
         tokens = sample(self._constrain(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs],
                         prompt_ids=[s.prompt_token_ids for s in seqs], output_ids=[s.output_token_ids for s in seqs])
-        lp = compute_logprobs(logits, tokens, max((s.params.logprobs or 0) for s in seqs))
-        # The host reads the whole batch at once: one copy of the tokens, one of their log-probabilities (a
-        # float(...) per row would make the host wait on the GPU once per row).
-        chosen = lp.logprobs.tolist()
-        return [SampledTokens(s, [t], [chosen[j]], [dict(zip(ids[: s.params.logprobs], values[: s.params.logprobs]))
-                                                    if s.params.logprobs else {}])
-                for j, (s, t, (ids, values)) in enumerate(zip(seqs, lp.tokens.tolist(), lp.top_logprobs))]
+        k = max((s.params.logprobs or 0) for s in seqs)
+        chosen, top = logprob_tensors(logits, tokens, k)
+        return StepTokens(seqs, tokens, chosen, top, k)
 
     @staticmethod
     def _constrain(seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:

@@ -204,6 +204,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.awaits_last_token:  # async scheduling: done, its last token not read yet; nothing to compute
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 waiting[seq.seq_id] = "token budget"

@@ -123,6 +123,11 @@ class Sequence:
     text: str = ""
     cumulative_logprob: float = 0.0  # the sum of `logprobs` (best_of keeps the n highest), kept as they come
     lora: str | None = None  # the LoRA adapter it runs under (chapter 08), None for the base model
+    # With async scheduling (`LLMEngine(async_scheduling=True)`): a token sampled on the device whose value the host
+    # has not read yet (0 or 1), and its row in that step's tensor of sampled tokens. The next step feeds it to the
+    # model straight from the device (`inflight_token`); the host appends it when it reads the step's results.
+    num_inflight: int = 0
+    inflight_row: int = 0
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -134,15 +139,31 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """all_token_ids[start:stop], without building the whole list (a decode step asks for one token)."""
-        prompt = len(self.prompt_token_ids)
+        """all_token_ids[start:stop], without building the whole list (a decode step asks for one token). A token
+        still in flight (async scheduling) is its placeholder, `inflight_token(inflight_row)`."""
+        prompt, known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
         if start >= prompt:
-            return self.output_token_ids[start - prompt : stop - prompt]
-        return self.all_token_ids[start:stop]
+            tokens = self.output_token_ids[start - prompt : stop - prompt]
+        else:
+            tokens = self.all_token_ids[start:stop]
+        if self.num_inflight and stop > known:
+            tokens.append(inflight_token(self.inflight_row))
+        return tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and generated tokens, counting one still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, counting one still in flight."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its last token (max_tokens reached) is in flight: nothing is left to compute, only to read."""
+        return self.num_inflight > 0 and self.num_output_tokens >= self.params.max_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -152,7 +173,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """Whether its next chunk is (re)computing more than the last token: prompt work, not a decode step."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+        return self.num_uncomputed_tokens > 1 or not self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -202,6 +223,20 @@ class Sequence:
             return True
         self.dfa_state = index.advance(self.dfa_state, token_id)  # raises if the sampler ignored the mask
         return index.is_finished(self.dfa_state)
+
+
+def inflight_token(row: int) -> int:
+    """The placeholder id of a token still on the device, row `row` of the step's sampled tokens: negative, so it is
+    never a real id. The model runner swaps it for the token on the device (`minillm.engine.model_runner`)."""
+    return -1 - row
+
+
+def swap_inflight(tokens: torch.Tensor, previous: torch.Tensor) -> None:
+    """Replace, in place and on the device, every placeholder in a step's input tokens (any shape) by the token it
+    stands for: placeholder `inflight_token(row)` becomes previous[row], previous being the step before's sampled
+    tokens [B']. No host round trip: the tokens never leave the GPU between the two steps."""
+    rows = (-1 - tokens).clamp(min=0)  # a placeholder's row; 0 for real ids (then ignored)
+    tokens.copy_(torch.where(tokens < 0, previous[rows], tokens))
 
 
 def prepare_prompt(

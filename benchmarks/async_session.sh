@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 30's async scheduling on one GPU lease: the CUDA tests, then the engine before and after. Results to $OUT.
+# Needs ab_baseline/ (the commit before: `git archive <commit> minillm kernels benchmarks ':!minillm/models' | tar -x
+# -C ab_baseline`, then this tree's engine_throughput{,_ab}.py copied into ab_baseline/benchmarks/), carried to the
+# device. Each step fits the device's 10-minute limit per command if run on its own:
+#   MINILLM_COMMIT=<short hash> bash benchmarks/async_session.sh {tests|throughput|steps|transformers}
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+[ -e minillm/kernels ] || ln -s "$PWD/kernels" minillm/kernels
+case "${1:-tests}" in
+tests)
+  python3 -m pytest tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_speculative.py tests/test_generate.py \
+      tests/test_lora.py tests/test_fused_kernels.py tests/test_engine.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+throughput)  # the commit before, then this tree with async scheduling off and on alternately; each after a full warm-up
+  [ -e ab_baseline/minillm/kernels ] || ln -s "$PWD/ab_baseline/kernels" ab_baseline/minillm/kernels
+  (cd ab_baseline && PYTHONPATH="$PWD" python3 benchmarks/engine_throughput_ab.py --full-warmup \
+      --modes default default default --name engine_throughput_ab_before) && cp ab_baseline/results/*.json "$OUT/"
+  python3 benchmarks/engine_throughput_ab.py --full-warmup --modes sync async sync async sync async \
+      --name engine_throughput_ab_after && cp results/engine_throughput_ab_after.json "$OUT/" ;;
+steps)  # batch 1 and 64, both shapes: replay, graph step, engine synchronous and async
+  python3 benchmarks/roofline.py --hf none --name roofline_cuda_async 2>&1 | tail -12
+  cp results/roofline_cuda_async.json "$OUT/" ;;
+transformers)  # against transformers' static batches of 64 in the same run
+  python3 benchmarks/engine_throughput.py --hf-single 2 2>&1 | tail -8
+  cp results/engine_throughput_cuda.json "$OUT/" ;;
+esac
