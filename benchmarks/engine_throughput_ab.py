@@ -40,8 +40,13 @@ def main() -> None:
         run_minillm(model, requests[:8], 8, 2048, **flag)  # warm-up: compile the kernels, allocate
         ours = run_minillm(model, requests, 256, 8192, **flag)
         steps = ours.pop("steps")
+        with_prompts = [s for s in steps if s["prefill_tokens"]]
         ours.update(mode=mode, mean_decode_batch=statistics.fmean(s["decode_tokens"] for s in steps),
-                    num_steps=len(steps))
+                    num_steps=len(steps), prefill_steps=len(with_prompts),
+                    prefill_steps_seconds=sum(s["seconds"] for s in with_prompts),
+                    decode_only_seconds=sum(s["seconds"] for s in steps if not s["prefill_tokens"]))
+        print(f"  {len(with_prompts)} steps with prompt tokens took {ours['prefill_steps_seconds']:.2f} s, the "
+              f"{len(steps) - len(with_prompts)} decode-only steps {ours['decode_only_seconds']:.2f} s", flush=True)
         runs.append(ours)
         print(f"minillm ({mode}): {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.2f} s, "
               f"{len(steps)} steps)", flush=True)
