@@ -251,6 +251,21 @@ class PagedDecode:
     in_pytorch: bool = False  # read the pools with `paged_attention_torch` instead of the kernel (a compiled CPU step)
 
 
+@dataclass(frozen=True)
+class PackedPrefill:
+    """The `mask` of a packed step (chapter 05): the new tokens of several sequences side by side in one row.
+
+    A `minillm.engine.kv_cache.PackedCacheView` returns it. The queries are [1, H, N, d], sequence i's the columns
+    q_starts[i] .. q_starts[i + 1] - 1; `update` returns every sequence's keys one after another, [1, H_kv, S, d],
+    sequence i's the columns k_starts[i] .. k_starts[i + 1] - 1. Its queries are the last of its keys (a prompt
+    chunk after what the cache holds), so causal attention within each sequence is all a query may see:
+    `grouped_query_attention` attends sequence by sequence. No token is padding.
+    """
+
+    q_starts: tuple[int, ...]  # P + 1 offsets into the N new tokens (known on the host)
+    k_starts: tuple[int, ...]  # P + 1 offsets into the S keys
+
+
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -308,6 +323,10 @@ def grouped_query_attention(
     `minillm.quant.kv.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
     """
     B, H, T, d = q.shape
+    if isinstance(mask, PackedPrefill):  # sequences packed in one row: each attends to its own keys, causally
+        spans = zip(zip(mask.q_starts, mask.q_starts[1:]), zip(mask.k_starts, mask.k_starts[1:]))
+        return torch.cat([grouped_query_attention(q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], CAUSAL)
+                          for (a, b), (c, e) in spans], dim=2)
     if isinstance(mask, PagedDecode) and mask.in_pytorch:  # the pools, read through the tables in PyTorch
         return paged_attention_torch(q, k, v, mask)
     if isinstance(mask, PagedDecode):  # k and v are a paged cache's pools (chapter 04)
@@ -475,6 +494,13 @@ class CacheView(Protocol):
         ...
 
 
+def last_positions(x: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
+    """x [B, T, dim] -> the positions whose logits choose each sequence's next token: the last of each row [B, 1, dim],
+    or, for sequences packed in one row (a `PackedCacheView`, chapter 05), the last of each sequence [1, P, dim]."""
+    rows = getattr(cache, "last_rows", None)
+    return x[:, -1:] if rows is None else x[:, rows]
+
+
 class Transformer(nn.Module):
     """A Llama-family causal language model."""
 
@@ -555,13 +581,13 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 delta, residual = layer.forward_fused(delta, residual, rope, mask, cache)
             if last_only:
-                delta, residual = delta[:, -1:], residual[:, -1:]
+                delta, residual = last_positions(delta, cache), last_positions(residual, cache)
             x, _ = fused_add_rms_norm(delta, residual, self.norm.weight, self.norm.eps)
         else:
             for layer in self.layers:
                 x = layer(x, rope, mask, cache)
             if last_only:
-                x = x[:, -1:]
+                x = last_positions(x, cache)
             x = self.norm(x)
         if cache is not None:
             cache.advance(T)

@@ -502,3 +502,81 @@ def test_task_4_view_refuses_misuse_with_clear_messages(model):
     with pytest.raises(RuntimeError, match="already run"):
         view.advance(3)
     assert cache.num_tokens("a") == 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_task_4_packed_prompt_chunks_give_the_padded_batchs_logits_and_cache(model, kv_cache_dtype):
+    """Prompt chunks packed side by side in one row (`packed_forward`, chapter 05) against the same chunks as a
+    left-padded batch (`paged_forward`): three sequences of different lengths, then a second chunk of each, whose
+    queries are the last of keys the cache already holds. Each sequence's last logits agree within 1e-5 (the
+    matmuls see a different shape, [1, N] against [B, T], so the summation order may differ), and every layer
+    holds the same keys and values (an int8 cache: the same codes and scales)."""
+    from minillm.engine.model_runner import packed_forward, paged_forward
+
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    chunks = [[[rng.randrange(vocab) for _ in range(n)] for n in lengths] for lengths in ((20, 5, 33), (9, 17, 2))]
+    caches = [PagedKVCache(model.config, 64, 16, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
+    for cache in caches:
+        for i in range(3):
+            cache.add_sequence(i)
+    for step, new in enumerate(chunks):
+        padded = paged_forward(model, caches[0], [0, 1, 2], new)
+        packed = packed_forward(model, caches[1], [0, 1, 2], new)
+        assert packed.shape == padded.shape == (3, vocab)
+        torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5, msg=lambda m, s=step: f"chunk {s}: {m}")
+    for i in range(3):
+        assert caches[1].block_tables[i].token_ids == caches[0].block_tables[i].token_ids
+        for layer in range(model.config.n_layers):
+            for a, b in zip(caches[1].gather(i, layer), caches[0].gather(i, layer)):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(model, monkeypatch):
+    """The engine's prompt chunks go through `packed_forward` (one row, no padding); greedy outputs are those of the
+    same engine with packing off. A model with a sliding window is not packed (a packed step attends causally within
+    each sequence, without a window), and a packed view refuses a window."""
+    from minillm.engine import LLM, LLMEngine, model_runner
+    from minillm.model import Transformer
+
+    calls = []
+    real = model_runner.packed_forward
+    monkeypatch.setattr(model_runner, "packed_forward",
+                        lambda m, c, ids, toks: calls.append(len(ids)) or real(m, c, ids, toks))
+    prompts = random_prompts(11, 6, model.config.vocab_size, max_len=60)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for packed in (True, False):
+        llm = LLM(model, None, max_num_batched_tokens=64)
+        llm.engine.model_runner.packed_prompts = packed
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    assert calls and max(calls) > 1, "steps with several prompt chunks ran packed"
+    windowed = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64,
+                                       sliding_window=8))
+    assert not LLMEngine(windowed, num_blocks=8).model_runner.packed_prompts
+    cache = PagedKVCache(windowed.config, 8, 16)
+    cache.add_sequence("s")
+    with pytest.raises(ValueError, match="sliding window"):
+        cache.prepare(["s"], [[1, 2, 3]], packed=True).attention_mask(None, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch():
+    """On a GPU each packed sequence attends through the Triton FlashAttention kernel (its queries the last of its
+    keys), the padded batch through PyTorch's attention with a mask: bf16 logits within bf16's rounding."""
+    from minillm.engine.model_runner import packed_forward, paged_forward
+
+    gpu_model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(8)
+    vocab = gpu_model.config.vocab_size
+    chunks = [[[rng.randrange(vocab) for _ in range(n)] for n in lengths] for lengths in ((40, 7, 120), (33, 2, 64))]
+    caches = [PagedKVCache(gpu_model.config, 64, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for cache in caches:
+        for i in range(3):
+            cache.add_sequence(i)
+    for new in chunks:
+        padded = paged_forward(gpu_model, caches[0], [0, 1, 2], new).float()
+        packed = packed_forward(gpu_model, caches[1], [0, 1, 2], new).float()
+        torch.testing.assert_close(packed, padded, atol=0.1, rtol=0.05)
+        assert (packed.argmax(-1) == padded.argmax(-1)).float().mean() >= 2 / 3

@@ -52,6 +52,7 @@ that doubles the batch a memory budget holds), so `num_blocks_for_memory` gives 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -70,7 +71,7 @@ from minillm.engine.block_manager import (
     lora_root_hash,
     prefix_block_hashes,
 )
-from minillm.model import PagedDecode, attention_mask, use_triton_attention
+from minillm.model import PackedPrefill, PagedDecode, attention_mask, use_triton_attention
 from minillm.quant.kv import (
     allocate_pools,
     dequantize_kv,
@@ -311,13 +312,15 @@ class PagedKVCache:
             while len(table.block_ids) * bs < table.num_tokens + n:
                 table.block_ids.append(allocator.allocate())
 
-    def prepare(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> PagedCacheView:
+    def prepare(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+                packed: bool = False) -> PagedCacheView:
         """Make room for token_ids[i] after what seq_ids[i] holds, and return the view the model runs on.
 
         Allocates every block the step needs, and copies a shared, partly filled last block before
         it is written (copy-on-write), all or nothing: if the pool cannot supply them, raises
         `NoFreeBlocksError` with nothing changed. The lists may have different lengths (a ragged
-        batch: prompts, chunks of prompts and decode tokens together).
+        batch: prompts, chunks of prompts and decode tokens together): left-padded to the longest as
+        a batch [B, T], or with `packed` side by side in one row [1, sum of lengths] (`PackedCacheView`).
         """
         if len(seq_ids) != len(token_ids) or not seq_ids:
             raise ValueError(f"give one list of new tokens per sequence: {len(seq_ids)} ids, {len(token_ids)} lists.")
@@ -327,7 +330,8 @@ class PagedKVCache:
             raise ValueError("every sequence in a step needs at least one new token.")
         self.allocate_slots(seq_ids, [len(new) for new in token_ids])
         tables = [self._table(s) for s in seq_ids]
-        return PagedCacheView(self, list(seq_ids), tables, [[int(t) for t in new] for new in token_ids])
+        view = PackedCacheView if packed else PagedCacheView
+        return view(self, list(seq_ids), tables, [[int(t) for t in new] for new in token_ids])
 
     def commit(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> None:
         """The new tokens' keys and values are written: add them to their tables, and name every block they
@@ -555,3 +559,55 @@ class PagedCacheView:
             raise RuntimeError("this step was already run: prepare a new one for the next forward.")
         self.done = True
         self.cache.commit(self.tables, self.token_ids)
+
+
+class PackedCacheView(PagedCacheView):
+    """One forward over the new tokens of several sequences packed side by side in ONE row, [1, N] (chapter 05).
+
+    A batch [B, T] pads every row to the longest: prompt chunks of 100 and 1,000 tokens in one step cost
+    2,000 positions of compute for 1,100 tokens. Packed, the N = sum of the chunks' lengths tokens run
+    through every matrix multiply once, with no padding; only attention must keep the sequences apart.
+    Each token has its own position and slot (its keys and values go to its own sequence's blocks), and
+    `update` returns the keys of every sequence one after another, [1, H_kv, S, d] with S = sum of the
+    sequences' lengths (each read through its block table). `attention_mask` returns a
+    `minillm.model.PackedPrefill` with both sets of offsets, and attention runs sequence by sequence.
+    `last_rows` [P] are the positions of each sequence's last new token in the row, whose logits the
+    model returns (`minillm.model.last_positions`). vLLM calls the packed layout "varlen".
+
+    The inputs cross to the device as one int64 tensor: the N tokens, their N positions, their N write slots,
+    then the S read slots.
+    """
+
+    def __init__(
+        self, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable], token_ids: list[list[int]]
+    ) -> None:
+        self.cache, self.seq_ids, self.tables, self.token_ids = cache, seq_ids, tables, token_ids
+        self.context_lens = [t.num_tokens for t in tables]
+        self.num_new = [len(new) for new in token_ids]
+        self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
+        n_total = sum(self.num_new)
+        positions = [p for c, n in zip(self.context_lens, self.num_new) for p in range(c, c + n)]
+        write = [t.slot(p) for t, c, n in zip(tables, self.context_lens, self.num_new) for p in range(c, c + n)]
+        read = [t.slot(p) for t, s in zip(tables, self.seq_lens) for p in range(s)]
+        q_starts = tuple(itertools.accumulate(self.num_new, initial=0))
+        data = to_device([t for new in token_ids for t in new] + positions + write + read
+                         + [q - 1 for q in q_starts[1:]], torch.int64, cache.device)
+        self.T = n_total
+        self.tokens = data[:n_total][None]  # [1, N]
+        self.position_ids = data[n_total: 2 * n_total][None]  # [1, N]
+        self.write_slots = data[2 * n_total: 3 * n_total]  # [N]
+        self._read_slots = data[3 * n_total: 3 * n_total + len(read)]  # [S]
+        self.last_rows = data[3 * n_total + len(read):]  # [P]
+        self.max_seq_len = len(read)  # `update` reads S keys for its one row
+        self.mask = PackedPrefill(q_starts, tuple(itertools.accumulate(self.seq_lens, initial=0)))
+        self.padded, self.write_rows, self.read_pools, self.done = False, None, False, False
+
+    def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill:
+        if window is not None:
+            raise ValueError("a packed step attends causally within each sequence, without a sliding window: run "
+                             "models with a window unpacked (PagedKVCache.prepare without packed).")
+        return self.mask
+
+    def read_slots(self) -> torch.Tensor:
+        """[1, S] the slots of every sequence's positions, one sequence after another: where `update` reads."""
+        return self._read_slots[None]

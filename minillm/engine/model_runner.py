@@ -7,7 +7,7 @@ buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and t
     forward(seq_ids, token_ids, loras, previous)
                                    the logits of each row's last new token, [B, vocab]:
                                    decode rows (one new token) as one batch, replayed as a CUDA graph
-                                   where one was captured, prompt chunks as another batch, eager;
+                                   where one was captured, prompt chunks packed in one row, eager;
                                    each row under its LoRA adapter (or none), chapter 08; tokens still
                                    on the device (async scheduling) taken from `previous`
     sample(seqs, logits)           one token per row, each with its own params, generator and constraint,
@@ -15,7 +15,7 @@ buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and t
     speculative_decode(seqs, ...)  chapter 07's step variant: draft, verify in one forward, roll back
 
 `paged_forward` is the eager forward itself, which beam search and the draft model (each with a cache
-of its own) call directly.
+of its own) call directly; `packed_forward` its packed variant for prompt chunks (no padding).
 """
 
 from __future__ import annotations
@@ -98,6 +98,17 @@ def paged_forward(
     return model(view.tokens, cache=view, last_only=True)[:, -1]
 
 
+@torch.inference_mode()
+def packed_forward(
+    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """`paged_forward` with the new tokens packed into one row, [1, sum of lengths], instead of a left-padded batch
+    (`minillm.engine.kv_cache.PackedCacheView`): no padding in any matrix multiply. The same logits, [len(seq_ids),
+    vocab], each sequence's last new token's. For prompt chunks; not for a model with a sliding window."""
+    view = cache.prepare(seq_ids, token_ids, packed=True)
+    return model(view.tokens, cache=view, last_only=True)[0]
+
+
 class ModelRunner:
     """Runs `model` over steps of sequences in `cache`: eager, or decode steps replayed as CUDA graphs.
 
@@ -132,6 +143,8 @@ class ModelRunner:
             raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path: leave it off "
                              "here (on a GPU the engine replays decode steps as CUDA graphs by itself).")
         self.compile_decode = compile_decode
+        # Prompt chunks packed in one row (`packed_forward`), where the model and the group allow it.
+        self.packed_prompts = tp is None and model.config.sliding_window is None
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # captured (or compiled) at the first decode step
         self.lora: Any = None  # the LoRASlots of the model's LoRALinear layers (chapter 08), once an adapter is added
@@ -143,12 +156,14 @@ class ModelRunner:
         under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08). A negative id is a token
         still on the device (async scheduling): `previous` [B'] holds the step before's sampled tokens.
 
-        The model takes a rectangular batch [B, T], so rows shorter than the longest are padded, and padding
-        costs as much compute as a token. A 512-token prompt chunk beside 40 decodes would make 41 x 512
-        positions for 552 real tokens. So the rows computing one token (decodes) run as one forward [D, 1],
-        and the prompt chunks as another [P, T] (padded only against each other). vLLM avoids padding
-        altogether by packing every token of the step into one flat sequence with per-request attention
-        ("varlen" kernels); minillm's kernels take rectangular batches, and two forwards keep it simple.
+        A rectangular batch [B, T] pads the rows shorter than the longest, and padding costs as much compute as a
+        token: a 512-token prompt chunk beside 40 decodes would make 41 x 512 positions for 552 real tokens. So
+        the rows computing one token (decodes) run as one forward [D, 1], replayed as a CUDA graph where one was
+        captured, and the prompt chunks as another, packed side by side in one row [1, sum of their lengths]
+        (`packed_forward`: no padding at all). Packing needs per-sequence attention, which the decode graphs
+        do not do, hence two forwards (vLLM packs every token of the step, decodes too, into one "varlen"
+        forward). Prompt chunks under LoRA adapters (whose batched matmul takes one adapter per row), of a model
+        with a sliding window, or of a tensor-parallel group run as a padded batch instead.
         """
         logits: list[torch.Tensor | None] = [None] * len(seq_ids)
         decodes = [i for i, t in enumerate(token_ids) if len(t) == 1]
@@ -165,6 +180,8 @@ class ModelRunner:
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
+            elif group is prompts and self.packed_prompts and not swap:  # (prompt tokens are on the host)
+                rows = packed_forward(self.model, self.cache, ids, tokens)
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             for j, i in enumerate(group):
