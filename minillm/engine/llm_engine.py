@@ -8,7 +8,7 @@ then applies the stop rules and returns what each sequence gained in this step (
 
     step ──► scheduler.schedule()              who runs, how many tokens each (token budget, free blocks)
          ──► model_runner.forward(ids, tokens) the step's inputs (block tables, slots), the forward:
-                                               decodes [D, 1] (a CUDA graph on the GPU), prompt chunks [P, T]
+                                               decodes [D, 1] (a CUDA graph on the GPU), prompt chunks packed [1, N]
          ──► model_runner.sample(seqs, logits) each row with its own params, generator and constraint
          ──► seq.append_token(...)             stop rules (EOS, stop strings, the pattern, max_tokens);
                                                finished sequences free their blocks
@@ -21,7 +21,7 @@ Async scheduling (`async_scheduling=True`, the default on a GPU; vLLM's option o
 schedules, builds the inputs, reads the tokens and applies the stop rules, and the host idles while the
 GPU computes. So a step's sampled tokens stay on the device, and the host runs one step ahead:
 
-    step t:  schedule t ─► launch forward t ─► read t-1's tokens, stop rules ─► launch sampling t ─► t-1's outputs
+    step t:  schedule t ─► launch forward t ─► read t-1's tokens, stop rules, t-1's outputs ─► launch sampling t
              (a row whose token from t-1 is still on the device feeds a placeholder, swapped there for it)
 
 The read waits only for step t-1's tokens, while forward t runs. Sampling t comes after it, so that a
