@@ -160,10 +160,11 @@ class ModelRunner:
         token: a 512-token prompt chunk beside 40 decodes would make 41 x 512 positions for 552 real tokens. So
         the rows computing one token (decodes) run as one forward [D, 1], replayed as a CUDA graph where one was
         captured, and the prompt chunks as another, packed side by side in one row [1, sum of their lengths]
-        (`packed_forward`: no padding at all). Packing needs per-sequence attention, which the decode graphs
-        do not do, hence two forwards (vLLM packs every token of the step, decodes too, into one "varlen"
-        forward). Prompt chunks under LoRA adapters (whose batched matmul takes one adapter per row), of a model
-        with a sliding window, or of a tensor-parallel group run as a padded batch instead.
+        (`packed_forward`: no padding at all) when their lengths differ (chunks of one length pad nothing, and
+        the rectangular batch, attention in one call, is then slightly faster). Packing needs per-sequence
+        attention, which the decode graphs do not do, hence two forwards (vLLM packs every token of the step,
+        decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
+        adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
         """
         logits: list[torch.Tensor | None] = [None] * len(seq_ids)
         decodes = [i for i, t in enumerate(token_ids) if len(t) == 1]
@@ -180,8 +181,8 @@ class ModelRunner:
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
-            elif group is prompts and self.packed_prompts and not swap:  # (prompt tokens are on the host)
-                rows = packed_forward(self.model, self.cache, ids, tokens)
+            elif group is prompts and self.packed_prompts and not swap and len({len(t) for t in tokens}) > 1:
+                rows = packed_forward(self.model, self.cache, ids, tokens)  # chunks of different lengths: pack them
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             for j, i in enumerate(group):
