@@ -140,9 +140,12 @@ def test_stop_strings_eos_and_seeded_sampling_match_generate(shipped, text_ids):
             f"{prompt!r} with {params}: engine {out.text!r} ({out.finish_reason}) vs generate {ref.text!r}")
 
 
-def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids, async_scheduling):
+    """Deltas add up to the final output; an aborted request gets no token after the abort, even with async
+    scheduling, where a token sampled before the abort is read after it (and must be dropped)."""
     model, tok = shipped
-    engine = LLMEngine(model, tok, max_num_batched_tokens=32)
+    engine = LLMEngine(model, tok, max_num_batched_tokens=32, async_scheduling=async_scheduling)
     keep = engine.add_request("keep", text_ids[:12], SamplingParams(temperature=0, max_tokens=15))
     drop = engine.add_request("drop", text_ids[:30], SamplingParams(temperature=0, max_tokens=50))
     texts, ids, steps = {keep: "", drop: ""}, {keep: [], drop: []}, 0
@@ -154,8 +157,10 @@ def test_streaming_deltas_add_up_and_abort_frees_blocks(shipped, text_ids):
         steps += 1
         if steps == 5:
             engine.abort_request(drop)
+            dropped_at = len(ids[drop])
     assert last.request_id == keep and last.finished and ids[keep] == last.token_ids and texts[keep] == last.text
-    assert len(ids[drop]) < 50, "the aborted request stopped"
+    assert len(ids[drop]) == dropped_at < 50, "the aborted request got no token after the abort"
+    assert ids[keep] == alone(model, text_ids[:12], 15) or last.finish_reason == "stop"
     assert engine.cache.allocator.num_used_blocks == 0, "every block is back in the pool"
 
 
@@ -214,10 +219,13 @@ def test_bad_requests_are_refused_with_a_clear_error(shipped):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_arrivals_under_a_small_pool_give_every_request_its_solo_output(shipped, text_ids, data):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_arrivals_under_a_small_pool_give_every_request_its_solo_output(shipped, text_ids, data,
+                                                                                async_scheduling):
     """Requests arrive at random steps with random prompt and output lengths; the pool and the token budget are
     small, so prompts are chunked and requests preempted. Each finishes with exactly its solo greedy output,
-    and the pool ends empty."""
+    and the pool ends empty. With async scheduling too: there a sequence preempted while its token is in flight
+    gets the token afterwards and is recomputed with it."""
     model, _ = shipped
     n = data.draw(st.integers(2, 6), label="requests")
     specs = []
@@ -229,7 +237,8 @@ def test_random_arrivals_under_a_small_pool_give_every_request_its_solo_output(s
     largest = max(kv_len + m for _, kv_len, m, _ in specs)
     num_blocks = data.draw(st.integers(cdiv(largest, 16), cdiv(largest, 16) + 6), label="num_blocks")
     engine = LLMEngine(model, None, num_blocks=num_blocks, max_num_seqs=data.draw(st.integers(1, 4)),
-                       max_num_batched_tokens=budget, enable_prefix_caching=data.draw(st.booleans()))
+                       max_num_batched_tokens=budget, enable_prefix_caching=data.draw(st.booleans()),
+                       async_scheduling=async_scheduling)
     prompts = {str(i): text_ids[s: s + k] for i, (s, k, _, _) in enumerate(specs)}
     finished, step, preemptions = {}, 0, 0
     while len(finished) < n:
