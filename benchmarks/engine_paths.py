@@ -8,7 +8,7 @@ Measured in each tree, on the shipped model (fp32, `--threads` threads), in a fr
 - `generate_tok_s`: `minillm.generate` at batch 1, 128 new tokens (what `benchmarks/decode_batch1.py` times).
 Medians of 3 inside each process. Only public APIs are used, so an older tree runs the same code.
 
-    python benchmarks/engine_paths.py --trees BASELINE_DIR .    # writes results/engine_paths_cpu.json
+    python benchmarks/engine_paths.py --trees BASELINE_DIR . --labels before after   # results/engine_paths_cpu.json
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def measure(threads: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", nargs="+", default=["."], help="source trees (each with minillm/ and kernels/)")
+    parser.add_argument("--labels", nargs="+", help="a name for each tree in the results (default: its folder's name)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child process's part
@@ -95,20 +96,24 @@ def main() -> None:
         return
     from common import write_results
 
-    rows: dict[str, list[dict]] = {tree: [] for tree in args.trees}
+    labels = args.labels or [Path(tree).resolve().name for tree in args.trees]
+    if len(labels) != len(args.trees):
+        sys.exit(f"give one label per tree: {len(args.trees)} trees, {len(labels)} labels.")
+    rows: dict[str, list[dict]] = {label: [] for label in labels}
     for round_ in range(args.rounds):
-        for tree in args.trees:
+        for tree, label in zip(args.trees, labels):
             env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "OMP_NUM_THREADS": str(args.threads)}
             done = subprocess.run([sys.executable, __file__, "--measure", "--threads", str(args.threads)], env=env,
                                   capture_output=True, text=True, check=True)
-            rows[tree].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {round_ + 1}, {tree}: {rows[tree][-1]}", flush=True)
-    medians = {tree: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for tree, runs in rows.items()}
+            rows[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {round_ + 1}, {label}: {rows[label][-1]}", flush=True)
+    medians = {label: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for label, runs in rows.items()}
     path = write_results("engine_paths_cpu", {"benchmark": "the engine's CPU paths in several source trees, "
                                               "alternated (fresh process per tree and round)",
-                         "settings": vars(args), "runs": rows, "medians": medians})
-    for tree, m in medians.items():
-        print(f"{tree}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
+                         "settings": {k: v for k, v in vars(args).items() if k not in ("trees", "measure")},
+                         "runs": rows, "medians": medians})
+    for label, m in medians.items():
+        print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
     print(f"written to {path}")
 
 
