@@ -542,7 +542,7 @@ def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(
     calls = []
     real = model_runner.packed_forward
     monkeypatch.setattr(model_runner, "packed_forward",
-                        lambda m, c, ids, toks: calls.append(len(ids)) or real(m, c, ids, toks))
+                        lambda m, c, ids, toks, **k: calls.append(len(ids)) or real(m, c, ids, toks, **k))
     prompts = random_prompts(11, 6, model.config.vocab_size, max_len=60)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []

@@ -100,12 +100,16 @@ def paged_forward(
 
 @torch.inference_mode()
 def packed_forward(
-    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+    previous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_forward` with the new tokens packed into one row, [1, sum of lengths], instead of a left-padded batch
     (`minillm.engine.kv_cache.PackedCacheView`): no padding in any matrix multiply. The same logits, [len(seq_ids),
-    vocab], each sequence's last new token's. For prompt chunks; not for a model with a sliding window."""
+    vocab], each sequence's last new token's, and the same `previous`. For prompt chunks; not for a model with a
+    sliding window."""
     view = cache.prepare(seq_ids, token_ids, packed=True)
+    if previous is not None:
+        swap_inflight(view.tokens, previous)
     return model(view.tokens, cache=view, last_only=True)[0]
 
 
@@ -175,14 +179,14 @@ class ModelRunner:
             ids = [seq_ids[i] for i in group]
             names = [loras[i] for i in group] if loras is not None else []
             tokens = [token_ids[i] for i in group]
-            swap = {"previous": previous} if previous is not None and any(min(t) < 0 for t in tokens) else {}
+            swap = {"previous": previous} if previous is not None else {}  # every path swaps placeholders alike
             if any(name is not None for name in names):  # LoRA rows: eager, each row's slot set for this forward
                 with self.lora.rows(names):
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
-            elif group is prompts and self.packed_prompts and not swap and len({len(t) for t in tokens}) > 1:
-                rows = packed_forward(self.model, self.cache, ids, tokens)  # chunks of different lengths: pack them
+            elif group is prompts and self.packed_prompts and len({len(t) for t in tokens}) > 1:
+                rows = packed_forward(self.model, self.cache, ids, tokens, **swap)  # chunks of different lengths
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             for j, i in enumerate(group):
