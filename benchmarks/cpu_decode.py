@@ -16,7 +16,7 @@ compiled configurations the calls one compiled step makes (Inductor's generated 
 model's matrix-vector products alone, in fp32 and bf16: the weight bytes PyTorch's batch-1 kernels stream
 per second on one core.
 
-    python benchmarks/cpu_decode.py          # writes results/cpu_decode_cpu.json
+    python benchmarks/cpu_decode.py          # writes results/cpu_decode_cpu.json (--name to name it otherwise)
 """
 
 from __future__ import annotations
@@ -105,8 +105,13 @@ def profile_step(model: minillm.Transformer, tokenizer: minillm.Tokenizer, repea
 
 def compiled_step_calls(model: minillm.Transformer, tokenizer: minillm.Tokenizer) -> int:
     """The calls one compiled decode step makes: Inductor's generated C++ loops and the library kernels it
-    calls (matrix products), counted by the profiler on one decode step of `generate_stream` (after the compile;
-    the loops show in the profile because `main` sets Inductor's `cpp.enable_kernel_profile` before compiling)."""
+    calls (matrix products), counted by the profiler on one decode step of `generate_stream`. The step is
+    compiled afresh with Inductor's `cpp.enable_kernel_profile` on, so that its loops show in the profile (the
+    timed runs compile without it: it records every loop, which costs time)."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    inductor_config.cpp.enable_kernel_profile = True
     params = minillm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     stream = minillm.generate_stream(model, PROMPT, params, tokenizer, compile_decode=True)
     for _ in range(10):  # the prompt, then decode steps: the compile is done by now
@@ -115,8 +120,12 @@ def compiled_step_calls(model: minillm.Transformer, tokenizer: minillm.Tokenizer
         next(stream)
     names = [e.name for e in prof.events()]
     stream.close()
-    return sum("cpp_fused" in n for n in names) + sum(
-        n in ("aten::mm", "aten::bmm", "aten::_weight_int8pack_mm") for n in names)
+    inductor_config.cpp.enable_kernel_profile = False
+    torch._dynamo.reset()
+    # The C++ wrapper calls the library kernels through PyTorch's C shim (aoti_torch_cpu_mm_out, ...).
+    library = {"aten::mm", "aten::bmm", "aten::_weight_int8pack_mm", "aoti_torch_cpu_mm_out",
+               "aoti_torch_cpu_bmm_out", "aoti_torch_cpu__weight_int8pack_mm"}
+    return sum("cpp_fused" in n for n in names) + sum(n in library for n in names)
 
 
 @torch.inference_mode()
@@ -148,11 +157,8 @@ def main() -> None:
                         default=["fp32", "bf16", "int8", "fp32+compile", "bf16+compile", "int8+compile"])
     parser.add_argument("--gguf-types", nargs="+", default=["F32", "F16", "Q8_0"], help="llama.cpp's files")
     parser.add_argument("--llama-cpp-build", default="", help="how llama-cpp-python was built, for the results")
+    parser.add_argument("--name", default="cpu_decode_cpu", help="the results file: results/<name>.json")
     args = parser.parse_args()
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp.enable_kernel_profile = True  # the compiled steps' loops named in the profiler
-
     models = {name: load(name) for name in args.configs}
     compile_s: dict[str, float] = {}
     tokenizer = models[args.configs[0]][1]
@@ -214,7 +220,7 @@ def main() -> None:
         for name, ref in pairs:
             if (name, threads) in median and (ref, threads) in median:
                 ratios[f"{name} / {ref}, {threads} thread(s)"] = median[(name, threads)] / median[(ref, threads)]
-    write_results("cpu_decode_cpu", {
+    write_results(args.name, {
         "benchmark": "batch-1 greedy decode on the CPU, minillm against llama.cpp",
         "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "prompt": PROMPT},
