@@ -24,6 +24,8 @@ requests at their mean context, on the datasheet H100 SXM; their sum against the
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import random
 import statistics
 import sys
@@ -82,12 +84,16 @@ def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: fl
     engine = llm.engine
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for _, n in requests]
     ids = [engine.add_request(None, p, sp) for (p, _), sp in zip(requests, params)]
+    # As LLM.generate steps: outputs only for the finished sequences (trees before that option build every row's).
+    step = engine.step
+    if "finished_only" in inspect.signature(engine.step).parameters:
+        step = functools.partial(engine.step, finished_only=True)
     steps, outputs = [], {}
     sync()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         called = time.perf_counter()
-        for out in engine.step():
+        for out in step():
             if out.finished:
                 outputs[out.request_id] = out
         plan = engine.last_step

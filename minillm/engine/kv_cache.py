@@ -283,7 +283,7 @@ class PagedKVCache:
             needed += max(0, cdiv(table.num_tokens + n, bs) - len(table.block_ids))
         return needed
 
-    def _has_room(self, seq_id: Hashable, n: int) -> bool:
+    def has_room(self, seq_id: Hashable, n: int) -> bool:
         """Whether n more tokens of seq_id fit its blocks as they are: no new block, no copy-on-write."""
         table = self._table(seq_id)
         c, bs = table.num_tokens, self.block_size
@@ -295,7 +295,7 @@ class PagedKVCache:
         last block first (copy-on-write). All or nothing: raises `NoFreeBlocksError`, changing nothing, if
         the pool cannot supply them. The scheduler (chapter 05) calls it request by request as it fills a
         step; `prepare` calls it too, and finds nothing left to do for blocks already allocated."""
-        if all(self._has_room(seq_id, n) for seq_id, n in zip(seq_ids, num_new_tokens)):
+        if all(self.has_room(seq_id, n) for seq_id, n in zip(seq_ids, num_new_tokens)):
             return  # the common case in decode: the last block has room and is this sequence's alone
         needed = self.blocks_needed(seq_ids, num_new_tokens)
         if not self.allocator.can_allocate(needed):
@@ -336,9 +336,11 @@ class PagedKVCache:
     def commit(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> None:
         """The new tokens' keys and values are written: add them to their tables, and name every block they
         filled in the prefix cache (called by `PagedCacheView.advance`)."""
+        naming, bs = self.allocator.enable_prefix_caching, self.block_size
         for table, new in zip(tables, token_ids):
             table.token_ids.extend(new)
-            self._name_full_blocks(table)
+            if naming and len(table.token_ids) // bs > len(table.block_hashes):  # a block was filled (or waits)
+                self._name_full_blocks(table)
 
     def _name_full_blocks(self, table: BlockTable) -> None:
         """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token

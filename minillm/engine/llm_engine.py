@@ -486,9 +486,12 @@ class LLMEngine:
         rows, which = [], []
         for i, (seq, _) in enumerate(scheduled):
             if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
-                for s in [seq, *self._fork(seq)]:
-                    rows.append(s)
-                    which.append(i)
+                rows.append(seq)
+                which.append(i)
+                if not seq.num_output_tokens:  # its prompt just completed: best_of > 1 forks now
+                    for child in self._fork(seq):
+                        rows.append(child)
+                        which.append(i)
         if not rows:
             return None
         if which != list(range(len(logits))):  # (indexing by a list would copy it to the GPU from pageable memory)

@@ -34,6 +34,7 @@ from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
 from minillm.sampling import compute_logprobs, logprob_tensors, sample
+from minillm.transfer import to_device
 
 log = logging.getLogger("minillm")
 
@@ -170,9 +171,9 @@ class ModelRunner:
         decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
         adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
         """
-        logits: list[torch.Tensor | None] = [None] * len(seq_ids)
         decodes = [i for i, t in enumerate(token_ids) if len(t) == 1]
         prompts = [i for i, t in enumerate(token_ids) if len(t) > 1]
+        results = []
         for group in (decodes, prompts):
             if not group:
                 continue
@@ -189,9 +190,14 @@ class ModelRunner:
                 rows = packed_forward(self.model, self.cache, ids, tokens, **swap)  # chunks of different lengths
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
-            for j, i in enumerate(group):
-                logits[i] = rows[j]
-        return torch.stack(logits)
+            results.append(rows)
+        if not decodes or not prompts:  # one group: its rows are in the step's order already
+            return results[0]
+        # Both: decode rows first, then prompt rows; put each back at its place in the step (one gather, not a
+        # tensor per row: a step may hold hundreds of rows).
+        order = torch.empty(len(seq_ids), dtype=torch.long)
+        order[decodes + prompts] = torch.arange(len(seq_ids))
+        return torch.cat(results).index_select(0, to_device(order, torch.long, results[0].device))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The captured decode graphs, capturing them on first use; None when the runner runs eagerly."""

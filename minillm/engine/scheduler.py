@@ -250,6 +250,8 @@ class Scheduler:
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
         """Allocate the blocks for n more tokens of a running sequence; False if the pool is short."""
+        if self.cache.has_room(seq.seq_id, n):  # most decode steps: its last block has room, nothing to allocate
+            return True
         try:
             self.cache.allocate_slots([seq.seq_id], [n])  # all or nothing
         except NoFreeBlocksError:
