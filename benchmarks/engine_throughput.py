@@ -16,7 +16,8 @@ Compared, on those requests:
 
 Throughput is requested output tokens per second of wall time. The roofline: for every engine step,
 the `minillm.arithmetic` roofline time of its prefill tokens and of a decode step of its running
-requests at their mean context, on the datasheet H100 SXM; their sum against the measured time.
+requests at their mean context, on the datasheet of the GPU it runs on (H200, H100 PCIe, else H100 SXM);
+their sum against the measured time (runs before 27 Nov used the H100 SXM datasheet on every GPU, H200s too).
 
     python benchmarks/engine_throughput.py        # writes results/engine_throughput_cuda.json
 """
@@ -113,13 +114,19 @@ def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: fl
             "first_tokens": [outputs[i].token_ids[:8] for i in ids[:4]]}
 
 
-def roofline_seconds(config, steps: list[dict]) -> float:  # noqa: ANN001
+def roofline_gpu() -> str:
+    """The `arithmetic.GPU_SPECS` entry of the GPU this runs on (an H100 SXM's datasheet if it is not listed)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return "h200" if "H200" in name else "h100-pcie" if "H100 PCIe" in name else "h100-sxm"
+
+
+def roofline_seconds(config, steps: list[dict], gpu: str = "h100-sxm") -> float:  # noqa: ANN001
     total = 0.0
     for s in steps:
         if s["prefill_tokens"]:
-            total += arithmetic.prefill_time(config, "h100-sxm", s["prefill_tokens"]).time_s
+            total += arithmetic.prefill_time(config, gpu, s["prefill_tokens"]).time_s
         if s["decode_tokens"]:
-            total += arithmetic.decode_step_time(config, "h100-sxm", max(1, int(s["mean_context"])),
+            total += arithmetic.decode_step_time(config, gpu, max(1, int(s["mean_context"])),
                                               s["decode_tokens"]).time_s
     return total
 
@@ -161,7 +168,8 @@ def main() -> None:
     # engine_throughput_ab_cuda_async.json), and results/engine_throughput_cuda_h200.json was measured that way.
     run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
     ours = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
-    roof = roofline_seconds(model.config, ours["steps"])
+    gpu = roofline_gpu()
+    roof = roofline_seconds(model.config, ours["steps"], gpu)
     print(f"minillm: {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.1f} s, {len(ours['steps'])} "
           f"steps); roofline {roof:.1f} s = {roof / ours['seconds']:.0%} of the measured time", flush=True)
     hf_rows = {}
@@ -185,7 +193,7 @@ def main() -> None:
         "requests": {"count": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
                      "output_tokens": sum(n for _, n in requests)},
         "minillm": ours,
-        "roofline_seconds": roof,
+        "roofline_gpu": gpu, "roofline_seconds": roof,
         "minillm_fraction_of_roofline": roof / ours["seconds"],
         "transformers": hf_rows,
         "speedup": {k: ours["output_tokens_per_s"] / v["output_tokens_per_s"] for k, v in hf_rows.items()},
@@ -196,7 +204,7 @@ def main() -> None:
     for k, v in hf_rows.items():
         speedup = ours["output_tokens_per_s"] / v["output_tokens_per_s"]
         print(f"  transformers {k:<18} {v['output_tokens_per_s']:8.0f}   minillm {speedup:.1f}x")
-    print(f"  roofline share of minillm's time: {roof / ours['seconds']:.0%}")
+    print(f"  roofline share of minillm's time: {roof / ours['seconds']:.0%} (the {gpu} datasheet's roofline)")
     print(f"written to {path}")
 
 

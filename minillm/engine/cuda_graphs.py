@@ -202,7 +202,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
-        self.garbage_collected = 0  # dead objects collected after capture
         if capture:
             try:
                 self._capture()
@@ -251,14 +250,10 @@ class DecodeGraphs:
         finally:
             if collecting:
                 gc.enable()
-        # Compiling kernels in the warm-up leaves dead objects in reference cycles, which only a full collection
-        # frees, and a full collection walks every object the process holds (0.3 s for the half million of a
-        # compiled CPU engine). Collected now, at start-up, rather than as one long step in the middle of serving.
-        self.garbage_collected = gc.collect() if collecting else 0
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (batch sizes %s) in %.2f s; %d dead objects collected", len(self.sizes),
-                 self.sizes, self.capture_seconds, self.garbage_collected)
+        log.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes), self.sizes,
+                 self.capture_seconds)
 
     def fill_inputs(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> tuple[int, int]:
         """Write the step's rows into the staging buffer (on the host); returns (padded batch, columns used).
