@@ -9,6 +9,11 @@ chapter 02:
     fused_add_rms_norm(x, residual, weight, eps)  residual add + RMSNorm in one pass over memory
     fused_add_rms_norm_reference(...)             the same as separate PyTorch operations
 
+and chapter 05 packs prompt chunks in one row ("varlen"), attended by the same kernel:
+
+    flash_attention_varlen(q, k, v, q_starts, k_starts)  one launch for every sequence, each on its own keys
+    attention_varlen_reference(...)                       sequence by sequence in plain PyTorch
+
 and chapter 03 adds the decode kernel:
 
     decode_attention(q, k, v, lengths, scale)     one query per sequence vs its KV cache: each KV head read
@@ -63,10 +68,11 @@ from .lora_reference import add_lora_gathered, add_lora_reference
 from .paged_kv import gather_kv
 
 __all__ = ["add_lora", "add_lora_gathered", "add_lora_reference",
-           "attention_reference", "decode_attention", "decode_attention_reference", "flash_attention",
-           "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference",
-           "gather_kv", "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul",
-           "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
+           "attention_reference", "attention_varlen_reference", "decode_attention", "decode_attention_reference",
+           "flash_attention", "flash_attention_varlen", "fused_add_rms_norm", "fused_add_rms_norm_reference",
+           "fused_rotary", "fused_rotary_reference", "gather_kv", "paged_decode_attention",
+           "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack",
+           "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -77,7 +83,12 @@ if TRITON_AVAILABLE:
         paged_decode_attention,
         paged_decode_attention_reference,
     )
-    from .flash_attention import attention_reference, flash_attention
+    from .flash_attention import (
+        attention_reference,
+        attention_varlen_reference,
+        flash_attention,
+        flash_attention_varlen,
+    )
     from .lora import add_lora
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference

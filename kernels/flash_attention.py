@@ -41,6 +41,7 @@ benchmarks/attention.py measures TFLOP/s on a GPU against PyTorch's SDPA and nai
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -118,16 +119,21 @@ def _attend_to_key_tiles(
 
 @triton.jit
 def _flash_attention_kernel(
-    Q, K, V, O,
+    Q, K, V, O, Q_STARTS, K_STARTS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H, T_q, T_k, GROUP, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """One program = one tile of BLOCK_M queries of one (batch, head); it streams over all the keys it may see."""
+    """One program = one tile of BLOCK_M queries of one (batch, head); it streams over all the keys it may see.
+
+    VARLEN: the "batch" is P sequences packed side by side in one row (`flash_attention_varlen`): sequence b's
+    queries are rows Q_STARTS[b] .. Q_STARTS[b + 1] - 1 and its keys K_STARTS[b] .. K_STARTS[b + 1] - 1, and
+    T_q is the longest sequence's query count (the grid's size); the others' surplus tiles return at once.
+    """
     # A 1-D grid of cdiv(T_q, BLOCK_M) * B * H programs. Consecutive programs share one (batch, head),
     # so its K/V tiles are reused from L2. Causally, later query tiles see more keys: launch them first
     # so the short ones fill in at the end instead of leaving a long one alone on the GPU.
@@ -139,6 +145,17 @@ def _flash_attention_kernel(
     kv_h = h // GROUP  # grouped-query attention: GROUP query heads share one key/value head, read in place
 
     start_m = pid_m * BLOCK_M
+    if VARLEN:  # this sequence's rows of the packed row: move the base pointers there, and take its own lengths
+        q_first, k_first = tl.load(Q_STARTS + b), tl.load(K_STARTS + b)
+        T_q = (tl.load(Q_STARTS + b + 1) - q_first).to(tl.int32)
+        T_k = (tl.load(K_STARTS + b + 1) - k_first).to(tl.int32)
+        if start_m >= T_q:  # a shorter sequence than the longest: nothing for this tile
+            return
+        Q += q_first * stride_qm
+        O += q_first * stride_om
+        K += k_first * stride_kn
+        V += k_first * stride_vn
+        b = b * 0  # every sequence lives in the row's one batch entry
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key offsets within a tile
     offs_d = tl.arange(0, HEAD_DIM)
@@ -291,11 +308,11 @@ def flash_attention(
     def launch(BLOCK_M: int, BLOCK_N: int, num_warps: int, num_stages: int) -> None:
         grid = (triton.cdiv(T_q, BLOCK_M) * B * H,)
         _flash_attention_kernel[grid](
-            q, k, v, out,
+            q, k, v, out, q, q,  # (no offsets: the last two pointers are unused placeholders)
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, T_q, T_k, H // H_kv, scale * math.log2(math.e),
             HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=bool(causal), UPCAST=upcast,
-            DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+            DOT_PRECISION=precision, VARLEN=False, num_warps=num_warps, num_stages=num_stages,
         )
 
     try:
@@ -306,3 +323,66 @@ def flash_attention(
         launch(min(BLOCK_M, SMALL_BLOCKS[0]), *SMALL_BLOCKS[1:])
     return out
 
+
+def attention_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_starts: Sequence[int],
+                               k_starts: Sequence[int]) -> torch.Tensor:
+    """Causal attention of sequences packed in one row, one sequence at a time in plain PyTorch (the definition).
+
+    q [1, H, N, D] holds sequence i's queries in columns q_starts[i] .. q_starts[i + 1] - 1, and k, v
+    [1, H_kv, S, D] its keys in k_starts[i] .. k_starts[i + 1] - 1; its queries are the last of its keys (a prompt
+    chunk after what the cache holds). -> [1, H, N, D]: each sequence attends only to its own keys.
+    """
+    spans = zip(zip(q_starts, q_starts[1:]), zip(k_starts, k_starts[1:]))
+    return torch.cat([attention_reference(q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], causal=True)
+                      for (a, b), (c, e) in spans], dim=2)
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_starts: Sequence[int],
+                           k_starts: Sequence[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention_varlen_reference` in one launch of the FlashAttention kernel ("varlen", as vLLM calls it).
+
+    Packed prompt chunks (`minillm.engine.kv_cache.PackedCacheView`) run every matrix multiply over the N tokens of
+    all sequences at once; only attention must keep them apart. One program per (sequence, head, query tile) of
+    the longest sequence; tiles past a shorter sequence's end return at once. q [1, H, N, D], k and v [1, H_kv, S, D];
+    q_starts and k_starts the P + 1 offsets, on the host; `offsets`, the same 2(P + 1) numbers already on q's device
+    (q_starts then k_starts, int64), saves copying them there. Causal within each sequence -> [1, H, N, D].
+    """
+    _check_inputs(q, k, v, causal=False)
+    P = len(q_starts) - 1
+    if q.shape[0] != 1 or len(k_starts) != P + 1 or P < 1:
+        raise ValueError(f"packed attention takes one row (batch 1, got {q.shape[0]}) and P + 1 offsets for q and "
+                         f"for k (got {len(q_starts)} and {len(k_starts)}).")
+    lengths = [(b - a, e - c) for a, b, c, e in zip(q_starts, q_starts[1:], k_starts, k_starts[1:])]
+    if q_starts[0] or k_starts[0] or q_starts[-1] != q.shape[2] or k_starts[-1] != k.shape[2] or any(
+            not 0 < n_q <= n_k for n_q, n_k in lengths):
+        raise ValueError(f"the offsets must run from 0 to the {q.shape[2]} queries and {k.shape[2]} keys, each "
+                         f"sequence with at least one query and no fewer keys than queries; got {list(q_starts)} "
+                         f"and {list(k_starts)}.")
+    B, H, N, D = q.shape
+    out = torch.empty_like(q)
+    if offsets is None:
+        offsets = torch.tensor([*q_starts, *k_starts], dtype=torch.int64).to(q.device)
+    longest = max(n_q for n_q, _ in lengths)
+    if _interpreted():
+        (BLOCK_M, BLOCK_N), num_warps, num_stages = INTERPRETER_BLOCKS, 4, 1
+    else:
+        BLOCK_M, BLOCK_N, num_warps, num_stages = GPU_BLOCKS[D]
+    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(longest)))
+    upcast = _interpreted() and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+
+    def launch(BLOCK_M: int, BLOCK_N: int, num_warps: int, num_stages: int) -> None:
+        grid = (triton.cdiv(longest, BLOCK_M) * P * H,)
+        _flash_attention_kernel[grid](
+            q, k, v, out, offsets, offsets[P + 1:],
+            0, *q.stride()[1:], 0, *k.stride()[1:], 0, *v.stride()[1:], 0, *out.stride()[1:],
+            H, longest, k.shape[2], H // k.shape[1], D**-0.5 * math.log2(math.e),
+            HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=upcast,
+            DOT_PRECISION=precision, VARLEN=True, num_warps=num_warps, num_stages=num_stages,
+        )
+
+    try:
+        launch(BLOCK_M, BLOCK_N, num_warps, num_stages)
+    except triton.runtime.OutOfResources:  # tiles too large for this GPU's shared memory
+        launch(min(BLOCK_M, SMALL_BLOCKS[0]), *SMALL_BLOCKS[1:])
+    return out

@@ -259,11 +259,13 @@ class PackedPrefill:
     q_starts[i] .. q_starts[i + 1] - 1; `update` returns every sequence's keys one after another, [1, H_kv, S, d],
     sequence i's the columns k_starts[i] .. k_starts[i + 1] - 1. Its queries are the last of its keys (a prompt
     chunk after what the cache holds), so causal attention within each sequence is all a query may see:
-    `grouped_query_attention` attends sequence by sequence. No token is padding.
+    `grouped_query_attention` attends sequence by sequence, or on CUDA all of them in one launch of the Triton
+    FlashAttention kernel (`minillm.kernels.flash_attention_varlen`). No token is padding.
     """
 
     q_starts: tuple[int, ...]  # P + 1 offsets into the N new tokens (known on the host)
     k_starts: tuple[int, ...]  # P + 1 offsets into the S keys
+    offsets: torch.Tensor | None = None  # q_starts then k_starts on the device, int64 (for the kernel), if there
 
 
 @functools.cache
@@ -324,6 +326,10 @@ def grouped_query_attention(
     """
     B, H, T, d = q.shape
     if isinstance(mask, PackedPrefill):  # sequences packed in one row: each attends to its own keys, causally
+        if q.dtype == k.dtype == v.dtype and use_triton_attention(q, d):
+            from minillm.kernels import flash_attention_varlen
+
+            return flash_attention_varlen(q, k, v, mask.q_starts, mask.k_starts, mask.offsets)
         spans = zip(zip(mask.q_starts, mask.q_starts[1:]), zip(mask.k_starts, mask.k_starts[1:]))
         return torch.cat([grouped_query_attention(q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], CAUSAL)
                           for (a, b), (c, e) in spans], dim=2)

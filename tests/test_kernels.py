@@ -27,9 +27,11 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 import minillm.kernels  # noqa: E402
 from minillm.kernels import (  # noqa: E402
     attention_reference,
+    attention_varlen_reference,
     decode_attention,
     decode_attention_reference,
     flash_attention,
+    flash_attention_varlen,
     fused_add_rms_norm,
 )
 from minillm.kernels.rmsnorm import fused_add_rms_norm_reference  # noqa: E402
@@ -100,6 +102,52 @@ def test_flash_attention_matches_reference_and_sdpa(shape, dtype):
     assert got.shape == (B, H, T_q, D) and got.dtype == dtype, f"output {tuple(got.shape)} {got.dtype}"
     assert_close(got, attention_reference(q, k, v, causal=causal), dtype, f"vs attention_reference at {shape}")
     assert_close(got, sdpa(q, k, v, causal), dtype, f"vs scaled_dot_product_attention at {shape}")
+
+
+def packed_qkv(chunks: list[tuple[int, int]], H: int, H_kv: int, D: int, dtype: torch.dtype, seed: int = 0):
+    """Sequences packed in one row: chunks[i] = (new tokens, keys) of sequence i -> q, k, v, q_starts, k_starts."""
+    q_starts = [0]
+    k_starts = [0]
+    for n_q, n_k in chunks:
+        q_starts.append(q_starts[-1] + n_q)
+        k_starts.append(k_starts[-1] + n_k)
+    q, _, _ = random_qkv(1, H, H_kv, q_starts[-1], 1, D, dtype, seed=seed)
+    _, k, v = random_qkv(1, H, H_kv, 1, k_starts[-1], D, dtype, seed=seed + 1)
+    return q, k, v, q_starts, k_starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attention_varlen_matches_each_sequence_alone(dtype):
+    """Packed sequences in one launch: each equals its own causal attention (its chunk after a cached prefix, or a
+    whole prompt), at ragged lengths that cross tiles (32 here), with GQA; one far longer than the others, so
+    most of the shorter sequences' tiles have nothing to do."""
+    chunks = [(5, 5), (1, 40), (70, 70), (17, 50), (3, 3)]
+    q, k, v, q_starts, k_starts = packed_qkv(chunks, H=4, H_kv=2, D=32, dtype=dtype)
+    got = flash_attention_varlen(q, k, v, q_starts, k_starts)
+    expected = attention_varlen_reference(q, k, v, q_starts, k_starts)
+    assert_close(got, expected, dtype, f"varlen {chunks}")
+    alone = flash_attention(q[:, :, 6:76], k[:, :, 45:115], v[:, :, 45:115], causal=True)  # the third sequence
+    assert_close(got[:, :, 6:76], alone, dtype, "the third sequence against flash_attention on it alone")
+
+
+def test_flash_attention_varlen_takes_offsets_already_on_the_device():
+    chunks = [(9, 30), (33, 33)]
+    q, k, v, q_starts, k_starts = packed_qkv(chunks, H=2, H_kv=1, D=16, dtype=torch.float32, seed=3)
+    offsets = torch.tensor(q_starts + k_starts, dtype=torch.int64, device=DEVICE)
+    got = flash_attention_varlen(q, k, v, q_starts, k_starts, offsets=offsets)
+    assert_close(got, attention_varlen_reference(q, k, v, q_starts, k_starts), torch.float32, "offsets given")
+
+
+@pytest.mark.parametrize(("q_starts", "k_starts", "says"), [
+    ([0, 4, 8], [0, 4], r"P \+ 1 offsets"),
+    ([0, 4, 9], [0, 4, 8], "from 0 to the 8 queries"),
+    ([0, 5, 8], [0, 4, 8], "no fewer keys than queries"),
+    ([0, 0, 8], [0, 0, 8], "at least one query"),
+])
+def test_flash_attention_varlen_refuses_offsets_that_do_not_fit(q_starts, k_starts, says):
+    q, k, v, _, _ = packed_qkv([(4, 4), (4, 4)], H=2, H_kv=1, D=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=says):
+        flash_attention_varlen(q, k, v, q_starts, k_starts)
 
 
 def test_flash_attention_at_random_shapes():

@@ -562,10 +562,16 @@ def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch():
-    """On a GPU each packed sequence attends through the Triton FlashAttention kernel (its queries the last of its
-    keys), the padded batch through PyTorch's attention with a mask: bf16 logits within bf16's rounding."""
+def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch(monkeypatch):
+    """On a GPU the packed sequences attend through one launch of the Triton FlashAttention kernel per layer (each
+    sequence's queries the last of its keys: `flash_attention_varlen`), the padded batch through PyTorch's attention
+    with a mask: bf16 logits within bf16's rounding."""
+    import minillm.kernels
+
     from minillm.engine.model_runner import packed_forward, paged_forward
+
+    kernel, calls = minillm.kernels.flash_attention_varlen, []
+    monkeypatch.setattr(minillm.kernels, "flash_attention_varlen", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
 
     gpu_model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
     rng = random.Random(8)
@@ -580,3 +586,4 @@ def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch():
         packed = packed_forward(gpu_model, caches[1], [0, 1, 2], new).float()
         torch.testing.assert_close(packed, padded, atol=0.1, rtol=0.05)
         assert (packed.argmax(-1) == padded.argmax(-1)).float().mean() >= 2 / 3
+    assert len(calls) == 2 * gpu_model.config.n_layers  # one launch per layer and forward

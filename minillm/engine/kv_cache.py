@@ -572,12 +572,13 @@ class PackedCacheView(PagedCacheView):
     Each token has its own position and slot (its keys and values go to its own sequence's blocks), and
     `update` returns the keys of every sequence one after another, [1, H_kv, S, d] with S = sum of the
     sequences' lengths (each read through its block table). `attention_mask` returns a
-    `minillm.model.PackedPrefill` with both sets of offsets, and attention runs sequence by sequence.
+    `minillm.model.PackedPrefill` with both sets of offsets, and attention runs sequence by sequence (on CUDA,
+    one launch of the FlashAttention kernel for all of them: `minillm.kernels.flash_attention_varlen`).
     `last_rows` [P] are the positions of each sequence's last new token in the row, whose logits the
     model returns (`minillm.model.last_positions`). vLLM calls the packed layout "varlen".
 
     The inputs cross to the device as one int64 tensor: the N tokens, their N positions, their N write slots,
-    then the S read slots.
+    the S read slots, the P last rows, then the offsets of each sequence's queries and keys (for the kernel).
     """
 
     def __init__(
@@ -592,16 +593,18 @@ class PackedCacheView(PagedCacheView):
         write = [t.slot(p) for t, c, n in zip(tables, self.context_lens, self.num_new) for p in range(c, c + n)]
         read = [t.slot(p) for t, s in zip(tables, self.seq_lens) for p in range(s)]
         q_starts = tuple(itertools.accumulate(self.num_new, initial=0))
+        k_starts = tuple(itertools.accumulate(self.seq_lens, initial=0))
         data = to_device([t for new in token_ids for t in new] + positions + write + read
-                         + [q - 1 for q in q_starts[1:]], torch.int64, cache.device)
+                         + [q - 1 for q in q_starts[1:]] + list(q_starts + k_starts), torch.int64, cache.device)
         self.T = n_total
         self.tokens = data[:n_total][None]  # [1, N]
         self.position_ids = data[n_total: 2 * n_total][None]  # [1, N]
         self.write_slots = data[2 * n_total: 3 * n_total]  # [N]
         self._read_slots = data[3 * n_total: 3 * n_total + len(read)]  # [S]
-        self.last_rows = data[3 * n_total + len(read):]  # [P]
+        P = len(token_ids)
+        self.last_rows = data[3 * n_total + len(read): 3 * n_total + len(read) + P]  # [P]
         self.max_seq_len = len(read)  # `update` reads S keys for its one row
-        self.mask = PackedPrefill(q_starts, tuple(itertools.accumulate(self.seq_lens, initial=0)))
+        self.mask = PackedPrefill(q_starts, k_starts, data[3 * n_total + len(read) + P:])  # offsets: [2 (P + 1)]
         self.padded, self.write_rows, self.read_pools, self.done = False, None, False, False
 
     def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill:
