@@ -31,6 +31,11 @@ head h // (H / H_kv). With `causal=True` and T_q < T_k the queries are the *last
 positions (query i sits at position T_k - T_q + i and sees keys 0..T_k - T_q + i): the layout
 of a prefill chunk appended to a KV cache.
 
+Chapter 05 packs the prompt chunks of one engine step side by side in one row, with no padding between them:
+`flash_attention_varlen` runs this same kernel over such a row, each program finding its sequence's queries
+and keys through per-sequence offsets ("varlen" attention, as vLLM and FlashAttention's own API call it),
+so that one launch serves every sequence of the step.
+
 Correctness: `attention_reference` below is the definition; tests/test_kernels.py compares
 the two on random inputs (on the CPU through Triton's interpreter, `TRITON_INTERPRET=1`), and
 benchmarks/attention.py measures TFLOP/s on a GPU against PyTorch's SDPA and naive attention.
@@ -347,7 +352,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     q_starts and k_starts the P + 1 offsets, on the host; `offsets`, the same 2(P + 1) numbers already on q's device
     (q_starts then k_starts, int64), saves copying them there. Causal within each sequence -> [1, H, N, D].
     """
-    _check_inputs(q, k, v, causal=False)
+    _check_inputs(q, k, v, causal=False)  # causality is per sequence here: its lengths are checked below
     P = len(q_starts) - 1
     if q.shape[0] != 1 or len(k_starts) != P + 1 or P < 1:
         raise ValueError(f"packed attention takes one row (batch 1, got {q.shape[0]}) and P + 1 offsets for q and "
@@ -358,7 +363,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         raise ValueError(f"the offsets must run from 0 to the {q.shape[2]} queries and {k.shape[2]} keys, each "
                          f"sequence with at least one query and no fewer keys than queries; got {list(q_starts)} "
                          f"and {list(k_starts)}.")
-    B, H, N, D = q.shape
+    H, D = q.shape[1], q.shape[3]
     out = torch.empty_like(q)
     if offsets is None:
         offsets = torch.tensor([*q_starts, *k_starts], dtype=torch.int64).to(q.device)
