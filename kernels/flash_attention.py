@@ -267,6 +267,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         )
 
 
+def _launch_settings(q: torch.Tensor, T_q: int) -> tuple[int, int, int, int, bool, str]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, upcast, dot precision) for queries like q [..., D], T_q of them."""
+    if _interpreted():
+        (BLOCK_M, BLOCK_N), num_warps, num_stages = INTERPRETER_BLOCKS, 4, 1
+    else:
+        BLOCK_M, BLOCK_N, num_warps, num_stages = GPU_BLOCKS[q.shape[-1]]
+    # Few queries (decode, short chunks): a smaller query tile wastes less work on masked rows.
+    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(T_q)))
+    # The CPU interpreter computes bf16 tl.dot wrongly; there we upcast the dot operands to fp32.
+    # fp32 inputs get exact fp32 dots ("ieee"), not TF32, so fp32 results match PyTorch closely.
+    upcast = _interpreted() and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # "tf32" is unused for 16-bit inputs
+    return BLOCK_M, BLOCK_N, num_warps, num_stages, upcast, precision
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,22 +308,11 @@ def flash_attention(
         return out
     scale = D**-0.5 if scale is None else float(scale)
 
-    if _interpreted():
-        BLOCK_M, BLOCK_N = INTERPRETER_BLOCKS
-        num_warps, num_stages = 4, 1
-    else:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = GPU_BLOCKS[D]
-    # Few queries (decode, short chunks): a smaller query tile wastes less work on masked rows.
-    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(T_q)))
+    BLOCK_M, BLOCK_N, num_warps, num_stages, upcast, precision = _launch_settings(q, T_q)
     BLOCK_M, BLOCK_N = block_m or BLOCK_M, block_n or BLOCK_N
     for name, size in (("block_m", BLOCK_M), ("block_n", BLOCK_N)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {size}.")
-
-    # The CPU interpreter computes bf16 tl.dot wrongly; there we upcast the dot operands to fp32.
-    # fp32 inputs get exact fp32 dots ("ieee"), not TF32, so fp32 results match PyTorch closely.
-    upcast = _interpreted() and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # "tf32" is unused for 16-bit inputs
 
     def launch(BLOCK_M: int, BLOCK_N: int, num_warps: int, num_stages: int) -> None:
         grid = (triton.cdiv(T_q, BLOCK_M) * B * H,)
@@ -368,13 +372,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     if offsets is None:
         offsets = torch.tensor([*q_starts, *k_starts], dtype=torch.int64).to(q.device)
     longest = max(n_q for n_q, _ in lengths)
-    if _interpreted():
-        (BLOCK_M, BLOCK_N), num_warps, num_stages = INTERPRETER_BLOCKS, 4, 1
-    else:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = GPU_BLOCKS[D]
-    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(longest)))
-    upcast = _interpreted() and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    BLOCK_M, BLOCK_N, num_warps, num_stages, upcast, precision = _launch_settings(q, longest)
 
     def launch(BLOCK_M: int, BLOCK_N: int, num_warps: int, num_stages: int) -> None:
         grid = (triton.cdiv(longest, BLOCK_M) * P * H,)
