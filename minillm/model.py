@@ -265,7 +265,7 @@ class PackedPrefill:
 
     q_starts: tuple[int, ...]  # P + 1 offsets into the N new tokens (known on the host)
     k_starts: tuple[int, ...]  # P + 1 offsets into the S keys
-    offsets: torch.Tensor | None = None  # q_starts then k_starts on the device, int64 (for the kernel), if there
+    offsets: torch.Tensor | None = None  # q_starts then k_starts, int64, on the device (None: copied when needed)
 
 
 @functools.cache

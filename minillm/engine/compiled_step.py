@@ -17,7 +17,8 @@ slower than through them.
 One more setting: Inductor's `cpp_wrapper`. By default the compiled step is a generated Python function that
 calls its ~70 loops and library kernels one by one, each call with a few Python lines around it (views of the
 buffers, size checks); with `cpp_wrapper` that function is generated in C++ instead. On this book's 2-core CPU
-the shipped model's fp32 step gained 7-9% from it (same process, runs alternated), at a few seconds more compile.
+the shipped model's fp32 step gained 7-9% from it, at a few seconds more compile (measured once with an ad-hoc
+script, variants alternated in one process; not in a results file).
 """
 
 from __future__ import annotations

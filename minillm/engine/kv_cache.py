@@ -336,11 +336,9 @@ class PagedKVCache:
     def commit(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> None:
         """The new tokens' keys and values are written: add them to their tables, and name every block they
         filled in the prefix cache (called by `PagedCacheView.advance`)."""
-        naming, bs = self.allocator.enable_prefix_caching, self.block_size
         for table, new in zip(tables, token_ids):
             table.token_ids.extend(new)
-            if naming and len(table.token_ids) // bs > len(table.block_hashes):  # a block was filled (or waits)
-                self._name_full_blocks(table)
+            self._name_full_blocks(table)
 
     def _name_full_blocks(self, table: BlockTable) -> None:
         """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token
