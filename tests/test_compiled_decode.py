@@ -79,8 +79,8 @@ def test_matvec_as_reduction_is_the_product_for_16_bit_weights_only():
 
 COMPILED_EQUALS_EAGER = """
 import torch
-from torch._dynamo.utils import counters
 from minillm.engine import LLMEngine
+from minillm.engine.compiled_step import CompiledStep
 import minillm
 model, tok = minillm.load(minillm.DEFAULT_MODEL)
 params = minillm.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -88,7 +88,7 @@ for prompt in ("ROMEO.\\n", "JULIET.\\nO Romeo, Romeo"):
     eager = minillm.generate(model, prompt, params, tok)
     compiled = minillm.generate(model, prompt, params, tok, compile_decode=True)
     print(prompt.split(".")[0], compiled.token_ids == eager.token_ids, len(eager.token_ids))
-print("compiles", counters["stats"]["unique_graphs"])  # 40 tokens cross blocks: the tables widen, no recompile
+print("compiles", CompiledStep.compiles)  # 40 tokens cross blocks: the tables widen, no recompile
 prompts = {"a": "ROMEO.\\n", "b": "JULIET.\\nO Romeo, Romeo, wherefore art thou", "c": "HAMLET.\\nTo be"}
 outputs = []
 for compile_decode in (False, True):  # three rows of different lengths in one batch, as the engine runs them
@@ -96,25 +96,34 @@ for compile_decode in (False, True):  # three rows of different lengths in one b
     for name, prompt in prompts.items():
         engine.add_request(name, tok.encode(prompt), params)
     outputs.append({key: out.token_ids for key, out in engine.run().items()})
-print("batch", outputs[0] == outputs[1])
+print("batch", outputs[0] == outputs[1], CompiledStep.compiles)  # one more step: for batches above 1
 model = model.to(torch.bfloat16)  # 16-bit weights: the matrix-vector products lowered as reductions
 eager = minillm.generate(model, "ROMEO.\\n", params, tok)
-print("bf16", minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode=True).token_ids == eager.token_ids)
+print("bf16", minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode=True).token_ids == eager.token_ids,
+      CompiledStep.compiles)  # new weights (the model converted): compiled again
+from minillm.quant import quantize_by_name
+model, tok = minillm.load(minillm.DEFAULT_MODEL)
+quantize_by_name(model, "int8", tok)  # int8 weights (buffers of the compiled step) and an 8-bit KV cache (scale pools)
+eager = minillm.generate(model, "ROMEO.\\n", params, tok, kv_cache_dtype="int8")
+compiled = minillm.generate(model, "ROMEO.\\n", params, tok, kv_cache_dtype="int8", compile_decode=True)
+print("int8", compiled.token_ids == eager.token_ids, CompiledStep.compiles)
 """
 
 
 def test_compiled_decode_gives_the_eager_engines_tokens():
     """Greedy text of the shipped model through generate, eager and with the decode step compiled: the same
     tokens, from one compile (seconds on a CPU) that serves every table width and both prompts; then a batch
-    of three rows of different lengths, compiled and eager, the same tokens. In a process of its own: Inductor
+    of three rows of different lengths, compiled and eager, the same tokens (one more compile, for batches above
+    1); the model in bf16 (compiled again: new weights), and with int8 weights and an 8-bit KV cache, the same
+    tokens as eager each. In a process of its own: Inductor
     sets up Triton's drivers, which the Triton interpreter of other test files needs left alone."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", COMPILED_EQUALS_EAGER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["ROMEO", "True", "40", "JULIET", "True", "40", "compiles", "1", "batch", "True",
-                                  "bf16", "True"], \
+    assert proc.stdout.split() == ["ROMEO", "True", "40", "JULIET", "True", "40", "compiles", "1", "batch", "True", "2",
+                                  "bf16", "True", "3", "int8", "True", "4"], \
         proc.stdout
 
 

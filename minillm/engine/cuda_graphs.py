@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -97,7 +98,8 @@ class GraphDecodeView:
     the host-side bookkeeping (the tokens joining their block tables) happens outside the graph, in `DecodeGraphs.run`.
     """
 
-    def __init__(self, cache: PagedKVCache, inputs: torch.Tensor, max_seq_len: int, in_pytorch: bool = False) -> None:
+    def __init__(self, cache: PagedKVCache | DecodeStep, inputs: torch.Tensor, max_seq_len: int,
+                 in_pytorch: bool = False) -> None:
         self.cache = cache
         step = StepInputs(inputs, T=1)
         self.tokens, self.position_ids = step.tokens, step.position_ids  # [B, 1] each
@@ -138,6 +140,34 @@ class GraphDecodeView:
         pass
 
 
+class DecodeStep(torch.nn.Module):
+    """The decode step as a module for `torch.export`: the model over rows `inputs` [B, TABLE + blocks] (one token
+    each, as `GraphDecodeView` reads them), with the KV pools as arguments, not as attributes of one cache, so
+    that one compiled step serves every cache of the same layout. Returns logits [B, vocab].
+
+    `pools`: every layer's K pool, then every layer's V pool, then (8-bit caches) the K and V scale pools.
+    """
+
+    def __init__(self, model: Transformer, block_size: int, dtype: torch.dtype, n_layers: int,
+                 quantized: bool) -> None:
+        super().__init__()
+        self.model, self.block_size, self.dtype, self.n_layers, self.quantized = (model, block_size, dtype,
+                                                                                  n_layers, quantized)
+
+    def layer_pools(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """What `PagedKVCache.layer_pools` gives, from the pools of this call."""
+        k, v = self._pools[layer], self._pools[self.n_layers + layer]
+        if not self.quantized:
+            return (k, None), (v, None)
+        return (k, self._pools[2 * self.n_layers + layer]), (v, self._pools[3 * self.n_layers + layer])
+
+    def forward(self, inputs: torch.Tensor, *pools: torch.Tensor) -> torch.Tensor:
+        self._pools = pools
+        key_range = (inputs.shape[1] - TABLE) * self.block_size
+        view = GraphDecodeView(self, inputs, key_range, in_pytorch=True)  # in PyTorch, for Inductor to fuse
+        return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
+
+
 class DecodeGraphs:
     """Decode steps of `model` over `cache`, captured as one CUDA graph per batch size and replayed.
 
@@ -150,21 +180,21 @@ class DecodeGraphs:
             pool). It sets the block tables' width and the decode kernel's key range.
         capture: False runs the same step code eagerly over the same buffers (for tests on a CPU,
             through Triton's interpreter, and to compare eager with replayed).
-        compile: with capture=False, run the step through `torch.compile` instead: the CPU's counterpart of a
-            graph. The step is pure tensor work over fixed buffers (the bookkeeping stays outside it), so it
-            compiles once (once more when a second batch size makes its batch axis dynamic); Inductor fuses
-            the small ops between the matmuls into generated C++ loops. The block tables' width is a dynamic
-            dimension, so attention reads only the keys the step's longest sequence holds. The first step
-            pays the compile.
+        compile: with capture=False, run a compiled step instead: the CPU's counterpart of a graph. The step
+            (`DecodeStep`) is pure tensor work over the input rows and the pools (the bookkeeping stays outside
+            it); `torch.export` traces it once and AOTInductor compiles it to C++ loops and library calls
+            (`minillm.engine.compiled_step`), once per process for batch 1 and once for larger batches, shared
+            by the model's engines. The block tables' width is a dynamic dimension, so attention reads only the
+            keys the step's longest sequence holds. The first step pays the compile.
 
     Capture takes one block from the pool for the padding rows, for as long as the object lives.
     """
 
-    # `_step` through torch.compile (`minillm.engine.compiled_step`), made once per process. It lives on the
-    # class: a compiled bound method kept on the object would be a reference cycle, freed only by the garbage
-    # collector, at whatever moment it runs; if that is during another object's capture, destroying this one's
-    # graphs there makes that capture fail.
-    compiled_step: Callable | None = None
+    # Compiled steps (compile=True), per model: {layout: (the model's tensors then, CompiledStep)}. Each is compiled
+    # once per process, for batch 1 or for any batch above 1, and shared by every engine of the model (`generate`
+    # makes one per call) while the model's weights are the same tensors, the pools of the same layout, and the
+    # thread count the same (Inductor's loops are built for the count they were compiled under).
+    compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int, max_seq_len: int | None = None,
                  capture: bool = True, compile: bool = False) -> None:
@@ -186,19 +216,18 @@ class DecodeGraphs:
         self.max_blocks = cdiv(self.max_seq_len, bs)
         rows = self.sizes[-1]
         device = cache.device
-        self.inputs = torch.zeros(rows, TABLE + self.max_blocks, dtype=torch.int64, device=device)
+        # A compiled step's rows are this buffer cut to the step's widest table. One spare column keeps the cut
+        # narrower than the buffer's rows, so its layout is the same at every width (a cut as wide as a row
+        # would be contiguous, and the compiled code would need a case of its own for that).
+        spare = 1 if compile else 0
+        self.inputs = torch.zeros(rows, TABLE + self.max_blocks + spare, dtype=torch.int64, device=device)
         self.staging = torch.zeros_like(self.inputs, device="cpu", pin_memory=device.type == "cuda")
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of `staging`
         self.pad_block = cache.allocator.allocate()
         self.pad_row = [0, 0, self.pad_block * bs, 1, self.pad_block]  # token 0 at position 0 in the pad block
         self.inputs[:, : TABLE + 1] = torch.tensor(self.pad_row)
-        if compile:  # one compile for every pool and table size: they vary with the engine (generate sizes its pool)
-            for pool in (*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())):
-                torch._dynamo.mark_dynamic(pool, 0)  # the number of blocks
-            if DecodeGraphs.compiled_step is None:
-                from minillm.engine.compiled_step import compile_step
-
-                DecodeGraphs.compiled_step = compile_step(DecodeGraphs._step)
+        self.pools = [*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())]  # a compiled step's inputs
+        self.steps: dict[bool, Callable[[list[torch.Tensor]], torch.Tensor]] = {}  # batch > 1 -> compiled step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -209,19 +238,12 @@ class DecodeGraphs:
                 cache.allocator.free(self.pad_block)  # a failed capture leaves the pool as it found it
                 raise
 
-    def _step(self, size: int, inputs: torch.Tensor | None = None) -> torch.Tensor:
+    def _step(self, size: int) -> torch.Tensor:
         """The recorded work: the model over the first `size` rows of the buffer -> logits [size, vocab].
 
         The view is made here, inside the recording, so that its casts of the buffer are replayed too.
-        A compiled step is handed `inputs`, the buffer's rows cut to this step's widest block table: its
-        width is a dynamic dimension of the one compiled graph, so attention reads only the key slots the
-        step's longest sequence covers (a captured graph reads `max_seq_len` of them, every step).
         """
-        if inputs is None:
-            inputs = self.inputs[:size]
-        key_range = (inputs.shape[1] - TABLE) * self.cache.block_size
-        view = GraphDecodeView(self.cache, inputs, key_range,
-                               in_pytorch=self.compiled)  # compiled: attention in PyTorch, which Inductor fuses
+        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_seq_len)
         return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
 
     @torch.inference_mode()
@@ -254,6 +276,33 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes), self.sizes,
                  self.capture_seconds)
+
+    def compiled_step(self, size: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        """The compiled step for a batch of `size` rows (one for batch 1, one for any larger batch): found among
+        those compiled for this model, or compiled now (seconds, `minillm.engine.compiled_step`)."""
+        many = size > 1
+        if many in self.steps:
+            return self.steps[many]
+        from minillm.engine.compiled_step import CompiledStep
+
+        tensors = [(name, t.data_ptr(), t.dtype, t.shape) for name, t in (*self.model.named_parameters(),
+                                                                           *self.model.named_buffers())]
+        layout = (many, torch.get_num_threads(), self.cache.block_size, self.inputs.shape[1],
+                  tuple((pool.dtype, pool.shape[1:]) for pool in self.pools))
+        known = DecodeGraphs.compiled_steps.setdefault(self.model, {})
+        if layout not in known or known[layout][0] != tensors:
+            rows = 2 if many else 1
+            inputs = self.inputs[:rows, : TABLE + 2]
+            blocks = torch.export.Dim("blocks", min=2)  # pools vary with the engine (generate sizes its pool)
+            rows_shape = {0: torch.export.Dim("batch", min=2)} if many else {}  # 2 .. any: 1 is the other step
+            if self.max_blocks > 2:  # the tables' width: the step's longest sequence
+                rows_shape[1] = torch.export.Dim("width", min=TABLE + 2, max=TABLE + self.max_blocks)
+            shapes = (rows_shape, tuple({0: blocks} for _ in self.pools))  # forward(inputs, *pools)
+            step = DecodeStep(self.model, self.cache.block_size, self.cache.dtype, len(self.cache.k),
+                              self.cache.quantized)
+            known[layout] = (tensors, CompiledStep(step, (inputs, *self.pools), shapes))
+        self.steps[many] = known[layout][1]
+        return self.steps[many]
 
     def fill_inputs(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> tuple[int, int]:
         """Write the step's rows into the staging buffer (on the host); returns (padded batch, columns used).
@@ -300,11 +349,11 @@ class DecodeGraphs:
             self.graphs[size].replay()
             logits = self.outputs[size][: len(seq_ids)].clone()  # the output buffer is rewritten by the next replay
         elif self.compiled:
-            # One compile for every table width. Tables of one block would be compiled apart (torch.compile
-            # specialises sizes 0 and 1), so they read two: the second column's stale block id is masked.
+            # The rows cut to this step's widest table, so that attention reads only the keys it covers. Tables of
+            # one block read two (a compiled size of 1 would be fixed, not free): the second column's stale block id
+            # is masked.
             inputs = self.inputs[:size, : max(width, TABLE + 2)]
-            torch._dynamo.mark_dynamic(inputs, 1)
-            logits = DecodeGraphs.compiled_step(self, size, inputs)[: len(seq_ids)]
+            logits = self.compiled_step(size)([inputs, *self.pools])[: len(seq_ids)]
         else:
             logits = self._step(size)[: len(seq_ids)]
         self.cache.commit([self.cache.block_tables[s] for s in seq_ids], [[int(t)] for t in token_ids])
