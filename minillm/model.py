@@ -373,8 +373,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor | QuantizedPool, v: t
 
     q [B, H, 1, d]; k, v [num_blocks, block_size, H_kv, d] (or 8-bit `QuantizedPool`s) -> [B, H, 1, d].
     Every row reads the first `max_seq_len` key slots its block table covers and masks those past its
-    length, so the shapes do not change from step to step (what `torch.compile` needs to compile a decode
-    step once, `minillm.engine.cuda_graphs.DecodeGraphs`).
+    length, so the shapes do not change from step to step (what a compiled decode step needs,
+    `minillm.engine.cuda_graphs.DecodeGraphs`).
     """
     if isinstance(k, QuantizedPool):  # codes x scales, in the model's dtype
         k = (k[0].float() * k[1][..., None]).to(mask.dtype)

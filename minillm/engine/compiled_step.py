@@ -31,6 +31,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -84,14 +85,17 @@ class CompiledStep:
     def __init__(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                  dynamic_shapes: tuple[Any, ...]) -> None:
         start = time.perf_counter()
-        with torch.inference_mode():
-            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
         configs = {"aot_inductor.package_constants_in_so": False}  # the weights: ours, given below
         if any(t.dtype in HALF for t in module.parameters()):
             # Inductor's on-disk cache of compiled graphs does not tell decompositions apart: for 16-bit
             # weights, whose lowering differs, compile afresh rather than reuse a graph compiled without ours.
             configs["fx_graph_cache"] = False
-        with tempfile.TemporaryDirectory(prefix="minillm-step-") as folder, _matvec_lowering():
+        with (warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="minillm-step-") as folder,
+              _matvec_lowering()):
+            # (PyTorch pickles the traced program with a call it has itself deprecated: its warning, not ours)
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            with torch.inference_mode():
+                program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
             path = torch._inductor.aoti_compile_and_package(
                 program, package_path=os.path.join(folder, "step.pt2"), inductor_configs=configs)
             compiled = torch._inductor.aoti_load_package(path)

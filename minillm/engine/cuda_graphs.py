@@ -202,7 +202,7 @@ class DecodeGraphs:
             raise ValueError(f"cannot capture decode steps as CUDA graphs: {reason}. Use capture=False, or the "
                              "eager path.")
         if capture and compile:
-            raise ValueError("compile=True runs the step through torch.compile instead of capturing it: pass "
+            raise ValueError("compile=True runs a compiled step instead of capturing graphs: pass "
                              "capture=False with it.")
         self.model, self.cache, self.capture, self.compiled = model, cache, capture, compile
         self.sizes = graph_batch_sizes(max_batch)

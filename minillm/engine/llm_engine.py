@@ -134,8 +134,9 @@ class LLMEngine:
             forwards score several tokens per row).
         speculative: draft and verify decode tokens (`minillm.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
-        compile_decode: on a CPU, compile the decode step with `torch.compile` at the first decode step (a few
-            seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by default.
+        compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
+            and AOTInductor: seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by
+            default.
         tensor_parallel_size: split every layer across this many processes (`minillm.parallel.tensor`, chapter 08;
             vLLM's option of the same name): this process is rank 0 and starts the others, on the CPU (gloo) or
             one GPU each (NCCL). Its decode steps run eagerly (no CUDA graphs), without speculation. Call

@@ -125,7 +125,7 @@ class ModelRunner:
             True where they cannot raises a ValueError saying why. If capture fails, the runner logs why
             and runs eagerly.
         no_graphs_reason: a reason of the caller's to run eagerly (the engine's: speculative decoding).
-        compile_decode: on a CPU, run decode-only forwards through `torch.compile` over the same fixed buffers
+        compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
             (`DecodeGraphs(capture=False, compile=True)`): the CPU's counterpart of CUDA graphs, compiled at
             the first decode step (seconds), then faster every step.
         tp: a `minillm.parallel.tensor.TensorParallel` group whose rank 0 this is (`model` is then rank 0's
