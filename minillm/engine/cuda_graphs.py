@@ -243,7 +243,7 @@ class DecodeGraphs:
 
         The view is made here, inside the recording, so that its casts of the buffer are replayed too.
         """
-        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_seq_len)
+        view = GraphDecodeView(self.cache, self.inputs[:size], self.max_blocks * self.cache.block_size)
         return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
 
     @torch.inference_mode()
