@@ -201,6 +201,13 @@ def _interpreted() -> bool:
 # GPU launch settings: keys per tile, warps, pipeline stages; chosen by the sweep in
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
+# A paged batch that fills the GPU by itself (B x H_kv >= TARGET_PROGRAMS, one chunk a sequence): smaller programs,
+# 32 keys a tile and 2 warps, so that more of them run at once on each SM. Measured in the engine's own graph
+# step (benchmarks/roofline.py, H200, Llama-3.2-1B shape, paged 16-token blocks, context 768): at batch 144 the
+# kernel's time per step 1.37 -> 1.10 ms and the replay 2.60 -> 2.33 ms. At batch 64 (two chunks a sequence)
+# the same settings were 7% slower on the 1B shape and 10% faster on the 8B shape's heads: batches below a full
+# wave keep the settings above.
+GPU_FULL_BATCH_BLOCK_N, GPU_FULL_BATCH_WARPS = 32, 2
 INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
 MIN_CHUNK_TILES = 2  # a chunk holds at least this many tiles of keys (fewer, and the combine costs more)
@@ -301,7 +308,11 @@ def _launch(
         lengths = lengths.to(device=q.device, dtype=torch.int32)
     scale = D**-0.5 if scale is None else float(scale)
     group = H // H_kv
-    BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else GPU_BLOCK_N)
+    # a paged bf16/fp16 batch of one wave of programs with one chunk each (as measured: see GPU_FULL_BATCH_*)
+    full_batch = (B * H_kv >= TARGET_PROGRAMS and block_tables is not None and kv_scales is None and block_n is None
+                  and not _interpreted())
+    BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else
+                          GPU_FULL_BATCH_BLOCK_N if full_batch else GPU_BLOCK_N)
     if kv_scales is not None and not block_n and not _interpreted() and B * H_kv * S >= 16384:
         # 8-bit codes: twice the keys per tile moves the bytes per load of 16 bits. H100, Llama-3-8B heads
         # (results/kv_quant_decode_cuda.json, int8): 1.11-1.25x over bf16 pools from B=16 or L=4096 on, against
@@ -314,7 +325,8 @@ def _launch(
     splits = triton.cdiv(S, chunk)
     upcast = _interpreted() and q.dtype == torch.bfloat16  # (8-bit codes are converted to q's dtype in the kernel)
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    launch = {} if _interpreted() else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}
+    warps = GPU_FULL_BATCH_WARPS if full_batch else GPU_WARPS
+    launch = {} if _interpreted() else {"num_warps": warps, "num_stages": GPU_STAGES}
 
     final = splits == 1  # one chunk per sequence: no partial results, no combine kernel
     if final:

@@ -709,6 +709,25 @@ def test_cuda_paged_decode_attention_bf16_at_real_lengths():
 
 
 @cuda_only
+def test_cuda_paged_decode_attention_at_a_batch_that_fills_the_gpu():
+    """144 sequences x 8 KV heads: a full wave of programs, launched with the full batch's smaller tiles and fewer
+    warps (`GPU_FULL_BATCH_*`); lengths from 1 key to past 768, with a key range far past them all, as the
+    engine's graphs give it."""
+    from minillm.kernels import paged_decode_attention
+
+    decode_module = sys.modules["minillm.kernels.decode_attention"]  # (the package's name of it is its function)
+    B, H, H_kv, S = 144, 32, 8, 800
+    assert B * H_kv >= decode_module.TARGET_PROGRAMS  # the case under test
+    q, k, v = random_decode(B, H, H_kv, S, 64, torch.bfloat16, device="cuda")
+    lengths = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+    lengths[:2] = [1, S]
+    k_pool, v_pool, tables = scatter_into_pool(k, v, lengths, 16)
+    lengths = torch.tensor(lengths, device="cuda")
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, max_len=8192)
+    assert_close(got, decode_attention_reference(q, k, v, lengths), torch.bfloat16, "paged bf16, a full batch")
+
+
+@cuda_only
 def test_model_trains_and_autocasts_through_pytorch_attention_on_cuda():
     """The Triton kernels have no backward pass: a training forward on CUDA must take PyTorch attention
     (every qkv_proj gets a gradient), and bf16 autocast (q, k in fp32 after rotary, v in bf16) must not
