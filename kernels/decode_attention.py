@@ -202,11 +202,12 @@ def _interpreted() -> bool:
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
 # A paged batch that fills the GPU by itself (B x H_kv >= TARGET_PROGRAMS, one chunk a sequence): smaller programs,
-# 32 keys a tile and 2 warps, so that more of them run at once on each SM. Measured in the engine's own graph
-# step (benchmarks/roofline.py, H200, Llama-3.2-1B shape, paged 16-token blocks, context 768): at batch 144 the
-# kernel's time per step 1.37 -> 1.10 ms and the replay 2.60 -> 2.33 ms. At batch 64 (two chunks a sequence)
-# the same settings were 7% slower on the 1B shape and 10% faster on the 8B shape's heads: batches below a full
-# wave keep the settings above.
+# 32 keys a tile and 2 warps (our guess at why: more of them fit on each SM at once; not measured). Measured at
+# one point, in the engine's own graph step (benchmarks/roofline.py, H200, Llama-3.2-1B shape, paged 16-token
+# blocks, context 768, batch 144; results/roofline_cuda_batch144_ab_*.json): the kernel's time per step
+# 1.37 -> 1.10 ms, the replay 2.60 -> 2.33 ms. At batch 64 (two chunks a sequence; ad hoc, no results file) the
+# same settings were 7% slower on the 1B shape and 10% faster on the 8B shape's heads: with one shape worse,
+# batches below a full wave keep the settings above.
 GPU_FULL_BATCH_BLOCK_N, GPU_FULL_BATCH_WARPS = 32, 2
 INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
@@ -310,7 +311,7 @@ def _launch(
     group = H // H_kv
     # a paged bf16/fp16 batch of one wave of programs with one chunk each (as measured: see GPU_FULL_BATCH_*)
     full_batch = (B * H_kv >= TARGET_PROGRAMS and block_tables is not None and kv_scales is None and block_n is None
-                  and not _interpreted())
+                  and num_splits is None and not _interpreted())
     BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else
                           GPU_FULL_BATCH_BLOCK_N if full_batch else GPU_BLOCK_N)
     if kv_scales is not None and not block_n and not _interpreted() and B * H_kv * S >= 16384:

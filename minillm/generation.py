@@ -240,7 +240,7 @@ def generate(
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
     and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
     chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values. `compile_decode`
-    (a CPU only) compiles the decode step ahead of time at the first token (seconds, once per process),
+    (a CPU only) compiles the decode step ahead of time at the first token (seconds, once per model and thread count),
     then runs every decode step compiled: `minillm.engine.model_runner.ModelRunner`.
 
     Example:

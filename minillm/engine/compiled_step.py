@@ -4,15 +4,19 @@
 the step's input rows and the KV pools) is traced once by `torch.export`, and AOTInductor compiles the traced
 graph into a shared library of C++ loops and library calls (`torch._inductor.aoti_compile_and_package`). It is
 the CPU's counterpart of a CUDA graph: one call runs the whole step, with nothing in Python between the ~70
-loops and matrix products.
+loops and matrix products. It is compiled once per model, thread count and KV-cache layout, for batch 1 and
+again for larger batches (`DecodeGraphs.compiled_step`), in 14-22 s for the shipped model on this book's CPU.
 
 Why not `torch.compile`, which compiles the same graph with the same Inductor? Because every call of a
-`torch.compile`d function first runs Python: Dynamo checks its ~480 guards (is this still the same model, the
-same shapes, the same global state?), gathers the ~50 weights and pools the graph takes from the objects they
-live on, and wraps the call. On this book's 2-core CPU that was 0.22-0.29 ms of a 1.8-3.0 ms step of the
-shipped model. The exported step takes its weights once, as constants (our own tensors, not copies:
-`user_managed`), and checks nothing per call: what Dynamo's guards checked, `DecodeGraphs` checks once per
-engine (the same weight tensors, pools of the same layout, the same thread count).
+`torch.compile`d function first runs Python: Dynamo checks its guards (484 here: is this still the same model,
+the same shapes, the same global state?), gathers the ~50 weights and pools the graph takes from the objects
+they live on, and wraps the call. Timed ad hoc on this book's 2-core CPU (not in a results file), that was
+0.22-0.29 ms of a 1.8-3.0 ms step of the shipped model, and the ahead-of-time step ran faster still (2.34
+against 2.79 ms at one thread, for reasons we have not found); the benchmark's A/B is in
+`results/cpu_decode_cpu_ab_*.json`. The exported step takes its weights once, as constants (our own tensors,
+not copies: `user_managed`), and checks nothing per call. `DecodeGraphs` checks once per engine the weights
+(the same tensors), the pools' layout and the thread count; the input sizes are right by construction (it cuts
+them from its own buffer), and nothing checks them per call.
 
 One change to how Inductor lowers it: at batch 1 every linear layer is a matrix-vector product, and the time
 of a step is the time to stream the weights through it. Inductor hands each product to PyTorch's own kernels
@@ -77,7 +81,7 @@ class CompiledStep:
 
     Call it with a list of tensors in the order of `args`, of the sizes `dynamic_shapes` allows: nothing
     checks them (a wrong size reads or writes out of bounds), so the caller must. Returns the module's
-    output tensor. Compiling takes seconds (15-30 s for the shipped model on this book's CPU), once.
+    output tensor. Compiling takes seconds (14-22 s for the shipped model on this book's CPU).
     """
 
     compiles = 0  # how many steps this process has compiled (tests count them)

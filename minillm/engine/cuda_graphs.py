@@ -217,8 +217,8 @@ class DecodeGraphs:
         rows = self.sizes[-1]
         device = cache.device
         # A compiled step's rows are this buffer cut to the step's widest table. One spare column keeps the cut
-        # narrower than the buffer's rows, so its layout is the same at every width (a cut as wide as a row
-        # would be contiguous, and the compiled code would need a case of its own for that).
+        # narrower than a row at every width: a cut of whole rows is contiguous, which the traced code treats as a
+        # case of its own, and torch.export refuses a dynamic width that could reach it ("width != max").
         spare = 1 if compile else 0
         self.inputs = torch.zeros(rows, TABLE + self.max_blocks + spare, dtype=torch.int64, device=device)
         self.staging = torch.zeros_like(self.inputs, device="cpu", pin_memory=device.type == "cuda")
