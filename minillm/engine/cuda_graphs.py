@@ -145,7 +145,8 @@ class DecodeStep(torch.nn.Module):
     each, as `GraphDecodeView` reads them), with the KV pools as arguments, not as attributes of one cache, so
     that one compiled step serves every cache of the same layout. Returns logits [B, vocab].
 
-    `pools`: every layer's K pool, then every layer's V pool, then (8-bit caches) the K and V scale pools.
+    `pools`: `PagedKVCache.all_pools()`: every layer's K pool, then every layer's V pool, then (8-bit caches) the K
+    and V scale pools.
     """
 
     def __init__(self, model: Transformer, block_size: int, dtype: torch.dtype, n_layers: int,
@@ -226,7 +227,7 @@ class DecodeGraphs:
         self.pad_block = cache.allocator.allocate()
         self.pad_row = [0, 0, self.pad_block * bs, 1, self.pad_block]  # token 0 at position 0 in the pad block
         self.inputs[:, : TABLE + 1] = torch.tensor(self.pad_row)
-        self.pools = [*cache.k, *cache.v, *(cache.k_scale or ()), *(cache.v_scale or ())]  # a compiled step's inputs
+        self.pools = cache.all_pools()  # a compiled step's inputs, after the rows
         self.steps: dict[bool, Callable[[list[torch.Tensor]], torch.Tensor]] = {}  # batch > 1 -> compiled step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

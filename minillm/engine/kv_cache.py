@@ -154,10 +154,15 @@ class PagedKVCache:
         """Whether the pools hold 8-bit codes with scales (kv_cache_dtype "int8" or "fp8"), chapter 06."""
         return self.k_scale is not None
 
+    def all_pools(self) -> list[torch.Tensor]:
+        """Every pool, in one order: each layer's K pool, each layer's V pool, then (quantised) each layer's K
+        scales and V scales. A compiled decode step takes them as arguments in this order (`DecodeStep`)."""
+        return [*self.k, *self.v, *(self.k_scale or ()), *(self.v_scale or ())]
+
     @property
     def nbytes(self) -> int:
         """Bytes of the pools, used or not: K and V, and their scales when quantised."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
+        return sum(t.numel() * t.element_size() for t in self.all_pools())
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Positions of `seq_id` filled so far."""
@@ -241,9 +246,8 @@ class PagedKVCache:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src`'s keys and values (and their scales, when quantised) into block `dst`, in every
         layer (copy-on-write)."""
-        for pools in (self.k, self.v, self.k_scale or [], self.v_scale or []):
-            for pool in pools:
-                pool[dst] = pool[src]
+        for pool in self.all_pools():
+            pool[dst] = pool[src]
 
     def layer_pools(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         """`layer`'s (K pool, its scales) and (V pool, its scales); the scales are None unless quantised."""
