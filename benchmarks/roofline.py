@@ -89,7 +89,7 @@ def prefilled_cache(model, batch: int, context: int, steps: int, seed: int = 0) 
 
 def kernel_kind(name: str) -> str:
     name = name.lower()
-    if any(k in name for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk", "matmul")):
+    if any(k in name for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk", "matmul", "matvec")):
         return "matmul"
     if "decode_split" in name or "combine" in name or "flash" in name or "attention" in name:
         return "attention"

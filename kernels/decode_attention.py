@@ -211,7 +211,12 @@ GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
 GPU_FULL_BATCH_BLOCK_N, GPU_FULL_BATCH_WARPS = 32, 2
 INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
-MIN_CHUNK_TILES = 2  # a chunk holds at least this many tiles of keys (fewer, and the combine costs more)
+# A chunk holds at least this many tiles of keys. It binds only where B x H_kv is far from filling the GPU and the
+# keys are few (batch 1, short contexts): there a tile a chunk cut the kernels' time at batch 1 in the engine's graph
+# step (H200, context 512, a 660-key range; an ad-hoc sweep, no results file) from 110 to 81 us a step on
+# Llama-3.2-1B's shape and from 290 to 215 us on Llama-3-8B's, against 2 tiles (an earlier H100 guess: fewer, and
+# the combine costs more).
+MIN_CHUNK_TILES = 1
 MAX_SPLITS = 128
 
 

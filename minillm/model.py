@@ -197,7 +197,7 @@ class Attention(nn.Module):
         """x [B, T, dim] -> [B, T, dim]. `rope`: the (cos, sin) tables [B, 1, T, head_dim] or, on the fused path,
         the positions (`RotaryPositions`). `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -224,7 +224,7 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v)  # [B, n_kv_heads, S, head_dim]: every key to attend to
         out = grouped_query_attention(q, k, v, mask)  # [B, n_heads, T, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
+        return linear(self.o_proj, out.transpose(1, 2).reshape(B, T, self.q_size))
 
 
 # The mask value meaning "plain causal": the T queries are the last T of the S key positions, and
@@ -284,6 +284,27 @@ def _triton_kernels_run(x: torch.Tensor) -> bool:
         and os.environ.get("MINILLM_TRITON", "1") != "0"
         and _triton_installed()
     )
+
+
+def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """layer(x) (layer(silu(gate) * up) with swiglu, x then being gate_up [..., 2F]): x [..., K] -> [..., N].
+
+    A single row of 16-bit x on the fused path (`use_fused_kernels`) through a plain `nn.Linear` runs as one
+    matrix-vector kernel, `minillm.kernels.matvec`, which streams the weights faster than cuBLAS's tiles
+    at batch 1 (chapter 05) and computes silu(gate) * up as it loads x; MINILLM_MATVEC=0 turns it off.
+    Anything else (several rows, quantised or LoRA layers, hooks, the CPU) runs as written.
+    """
+    if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and x.dtype in (torch.float16, torch.bfloat16)
+            and layer.weight.dtype == x.dtype and not layer._forward_hooks and not layer._forward_pre_hooks
+            and use_fused_kernels(x) and os.environ.get("MINILLM_MATVEC", "1") != "0"):
+        from minillm.kernels import matvec
+
+        return matvec(x, layer.weight, layer.bias, swiglu=swiglu)
+    if swiglu:  # only `Block.forward_fused` asks for it: the fused kernel
+        from minillm.kernels import silu_and_mul
+
+        x = silu_and_mul(x)
+    return layer(x)
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
@@ -432,16 +453,17 @@ class Block(nn.Module):
         The block's input is residual + delta [B, T, dim] each, not yet added; so is its output, returned
         as (delta, residual): the MLP's output and the stream before it. One kernel adds and normalises
         (`minillm.kernels.fused_add_rms_norm`), where `forward` reads and writes the stream in several; and the
-        MLP's silu(gate) * up is one kernel (`minillm.kernels.silu_and_mul`) instead of two.
+        MLP's silu(gate) * up is one kernel (`minillm.kernels.silu_and_mul`) instead of two, or for a single
+        row none: the down projection's matrix-vector kernel computes it as it reads it (`linear`).
         """
-        from minillm.kernels import fused_add_rms_norm, silu_and_mul
+        from minillm.kernels import fused_add_rms_norm
 
         h, residual = fused_add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         delta = self.self_attn(h, rope, mask, cache)
         h, residual = fused_add_rms_norm(delta, residual, self.post_attention_layernorm.weight,
                                          self.post_attention_layernorm.eps)
-        mlp = self.mlp
-        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(h))), residual
+        mlp = self.mlp  # silu(gate) * up: one kernel of its own, or computed inside a single row's down projection
+        return linear(mlp.down_proj, linear(mlp.gate_up_proj, h), swiglu=True), residual
 
 
 def attention_mask(

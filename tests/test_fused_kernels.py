@@ -1,4 +1,5 @@
-"""minillm.kernels' fused rotary and SwiGLU kernels (issue 16), against their PyTorch references.
+"""minillm.kernels' fused rotary and SwiGLU kernels (issue 16) and the batch-1 matrix-vector kernel (issue 30),
+against their PyTorch references.
 
 Without a GPU the kernels run on the CPU through Triton's interpreter: TRITON_INTERPRET=1 must be
 set before the kernel modules are imported (Triton decides at decoration time), so this file sets it
@@ -31,17 +32,21 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 from minillm.kernels import (  # noqa: E402
     fused_rotary,
     fused_rotary_reference,
+    matvec,
+    matvec_reference,
     silu_and_mul,
     silu_and_mul_reference,
 )
 
+from minillm import model as model_module  # noqa: E402
 from minillm.config import ModelConfig  # noqa: E402
 from minillm.model import MLP, RotaryEmbedding, apply_rotary, rope_inverse_frequencies  # noqa: E402
 
 ROTARY = sys.modules["minillm.kernels.rotary"]
 SWIGLU = sys.modules["minillm.kernels.swiglu"]
+MATVEC = sys.modules["minillm.kernels.matvec"]
 DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and not (ROTARY._interpreted() and SWIGLU._interpreted()):
+if not CUDA and not (ROTARY._interpreted() and SWIGLU._interpreted() and MATVEC._interpreted()):
     pytest.skip(
         "minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; "
         "run this file on its own (pytest tests/test_fused_kernels.py)",
@@ -303,3 +308,110 @@ def test_fused_kernels_at_decode_sizes_on_cuda(dtype):
     got, ref = silu_and_mul(gate_up), silu_and_mul_reference(gate_up)
     assert (got == ref).float().mean() > 0.999
     assert_within_ulps(got, ref, silu_mul_scale(gate_up), dtype, "silu_and_mul", ulps=1)
+
+
+def assert_matvec_close(got, x, weight, bias, swiglu, dtype, what):
+    """got against W h + b computed in float64 from h = x (or silu_and_mul_reference(x), rounded as the
+    layer rounds it): within 2 ulps of the dtype of |y| (the one rounding of the output; the interpreter
+    rounds bf16 toward zero), plus fp32 summation error and, for swiglu under the interpreter, an ulp of
+    each hidden value (its bf16 rounding may differ), both relative to sum |w h|. A wrong row, column,
+    stride or half of gate_up is off by about sum |w h| itself."""
+    h = silu_and_mul_reference(x) if swiglu else x
+    h64, w64 = h.double().reshape(-1), weight.double()
+    y = w64 @ h64 + (0 if bias is None else bias.double())
+    size = w64.abs() @ h64.abs()
+    hidden_ulps = EPS[dtype] if swiglu and not CUDA else 0.0
+    bound = 2 * EPS[dtype] * y.abs() + (weight.shape[1] * 2.0**-22 + hidden_ulps) * size + 1e-30
+    assert got.dtype == dtype and got.shape == (*x.shape[:-1], weight.shape[0]), what
+    worst = ((got.double().reshape(-1) - y).abs() / bound).max().item()
+    assert worst <= 1.0, f"{what}: an error of {worst:.2f} times the bound for {dtype}"
+
+
+# (N, K): masked tails in both (7 x 100), one program's 4 rows, the 2048-wide steps of 2 warps, several steps
+MATVEC_SHAPES = [(7, 100), (4, 512), (12, 2048), (20, 4096)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", MATVEC_SHAPES, ids=str)
+def test_matvec_matches_reference(shape, dtype):
+    """One row times a [N, K] weight, with and without bias and the SwiGLU prologue, as F.linear computes it."""
+    N, K = shape
+    g = torch.Generator().manual_seed(N * K)
+    weight = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, dtype)
+    assert_matvec_close(matvec(x, weight), x, weight, None, False, dtype, "plain")
+    assert_matvec_close(matvec(x, weight, bias), x, weight, bias, False, dtype, "with bias")
+    gate_up = (2 * torch.randn(1, 2 * K, generator=g)).to(DEVICE, dtype)
+    got = matvec(gate_up, weight, swiglu=True)
+    assert_matvec_close(got, gate_up, weight, None, True, dtype, "swiglu")
+    ref = matvec_reference(gate_up, weight, swiglu=True)
+    assert got.shape == ref.shape == (1, N)
+
+
+def test_matvec_strided_weight_tiles_and_a_layer():
+    """A weight sliced from a wider matrix (row stride > K) and a transposed one (copied), tiles other than the
+    default; and `minillm.model.linear` taking the kernel only for one row of a plain 16-bit nn.Linear."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(24, 300, generator=g).to(DEVICE)
+    x = torch.randn(256, generator=g).to(DEVICE)
+    assert_matvec_close(matvec(x, wide[:, 20:276]), x, wide[:, 20:276], None, False, torch.float32, "row stride")
+    square = wide[:, :24]
+    assert_matvec_close(matvec(x[:24], square.t()), x[:24], square.t(), None, False, torch.float32, "transposed")
+    for block_n, num_warps in [(1, 1), (8, 4), (16, 1)]:
+        got = matvec(x, wide[:, :256], block_n=block_n, num_warps=num_warps)
+        assert_matvec_close(got, x, wide[:, :256], None, False, torch.float32, f"tile {block_n} x {num_warps}")
+
+
+def test_linear_takes_the_kernel_for_one_row_only(monkeypatch):
+    """`linear` (the fused path's layer call): the kernel for one 16-bit row of a plain nn.Linear without hooks
+    and not with MINILLM_MATVEC=0; several rows, fp32, a subclass or a hooked layer run the layer as written."""
+    calls = []
+    kernels = sys.modules["minillm.kernels"]
+    monkeypatch.setattr(kernels, "matvec", lambda *a, **k: calls.append(k) or matvec(*a, **k))
+    monkeypatch.setattr(model_module, "use_fused_kernels", lambda x: True)  # as on a GPU
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 24, bias=True).to(DEVICE, torch.float16)
+    one, three = torch.randn(1, 1, 64).to(DEVICE, torch.float16), torch.randn(1, 3, 64).to(DEVICE, torch.float16)
+    with torch.no_grad():
+        assert_matvec_close(model_module.linear(layer, one), one, layer.weight, layer.bias, False,
+                            torch.float16, "linear, one row")
+        assert len(calls) == 1
+        for x, module, why in [(three, layer, "3 rows"), (one.float(), torch.nn.Linear(64, 24).to(DEVICE), "fp32"),
+                               (one, type("Sub", (torch.nn.Linear,), {})(64, 24).to(DEVICE, torch.float16), "sub")]:
+            assert torch.equal(model_module.linear(module, x), module(x)), why
+        handle = layer.register_forward_hook(lambda m, i, o: o * 2)
+        assert torch.equal(model_module.linear(layer, one), layer(one))
+        handle.remove()
+        monkeypatch.setenv("MINILLM_MATVEC", "0")
+        assert torch.equal(model_module.linear(layer, one), layer(one))
+    assert len(calls) == 1
+
+
+def test_matvec_rejects_bad_inputs(monkeypatch):
+    """Several rows, a width that does not match, mixed dtypes and a CPU tensor without the interpreter raise
+    ValueErrors that say what to do."""
+    weight, x = torch.randn(8, 16, device=DEVICE), torch.randn(1, 16, device=DEVICE)
+    for args, kwargs, message in [((torch.randn(2, 16, device=DEVICE), weight), {}, "one row.*F.linear"),
+                                  ((x[:, :15], weight), {}, "\\[..., 16\\]"),
+                                  ((x, weight), {"swiglu": True}, "\\[..., 32\\].*gate then up"),
+                                  ((x.half(), weight), {}, "share one dtype"),
+                                  ((x, weight[0]), {}, "weight \\[N, K\\]")]:
+        with pytest.raises(ValueError, match=message):
+            matvec(*args, **kwargs)
+    if not CUDA:
+        monkeypatch.setattr(MATVEC, "_interpreted", lambda: False)
+        with pytest.raises(ValueError, match="needs CUDA tensors.*matvec_reference"):
+            matvec(x, weight)
+
+
+@cuda_only
+@pytest.mark.parametrize("shape", [(3072, 2048), (2048, 8192), (6144, 4096), (128256, 2048)], ids=str)
+def test_matvec_at_llama_shapes_on_cuda(shape):
+    """Llama-3.2-1B and 8B projections (and the 1B head) in bf16 on a GPU, plain and with SwiGLU."""
+    N, K = shape
+    weight = (torch.randn(N, K, device=DEVICE) / K**0.5).bfloat16()
+    x = torch.randn(1, 1, K, device=DEVICE).bfloat16()
+    assert_matvec_close(matvec(x, weight), x, weight, None, False, torch.bfloat16, "plain")
+    gate_up = torch.randn(1, 1, 2 * K, device=DEVICE).bfloat16()
+    assert_matvec_close(matvec(gate_up, weight, swiglu=True), gate_up, weight, None, True, torch.bfloat16, "swiglu")

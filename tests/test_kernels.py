@@ -348,7 +348,8 @@ def test_decode_split_heuristic_fills_the_gpu_and_respects_short_sequences():
     assert choose_num_splits(1, 8, 32768, 64) == min(MAX_SPLITS, TARGET_PROGRAMS // 8)  # one long sequence
     assert choose_num_splits(256, 8, 32768, 64) == 1  # 2,048 programs already fill the GPU
     assert choose_num_splits(64, 8, 32768, 64) * 64 * 8 < 2 * TARGET_PROGRAMS  # no more than needed
-    assert choose_num_splits(1, 8, 100, 64) == 1  # too short to split into chunks of two tiles
+    assert choose_num_splits(1, 8, 64, 64) == 1  # one tile of keys: nothing to split
+    assert choose_num_splits(1, 8, 100, 64) == 2  # chunks of at least MIN_CHUNK_TILES (1) tile
     assert choose_num_splits(1, 1, 10**6, 64) == MAX_SPLITS
 
 
