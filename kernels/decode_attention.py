@@ -213,9 +213,9 @@ INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
 # A chunk holds at least this many tiles of keys. It binds only where B x H_kv is far from filling the GPU and the
 # keys are few (batch 1, short contexts): there a tile a chunk cut the kernels' time at batch 1 in the engine's graph
-# step (H200, context 512, a 660-key range; an ad-hoc sweep, no results file) from 110 to 81 us a step on
-# Llama-3.2-1B's shape and from 290 to 215 us on Llama-3-8B's, against 2 tiles (an earlier H100 guess: fewer, and
-# the combine costs more).
+# step (H200, context 512, a 660-key range; an ad-hoc sweep) from 110 to 81 us a step on Llama-3.2-1B's shape and
+# from 290 to 215 us on Llama-3-8B's, against 2 tiles (an earlier H100 guess: fewer, and the combine costs more).
+# The A/B of 647a34c in one lease agrees: 108 -> 82 and 281 -> 215 us (results/roofline_cuda_b1_ab_*.json).
 MIN_CHUNK_TILES = 1
 MAX_SPLITS = 128
 
