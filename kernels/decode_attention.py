@@ -22,7 +22,11 @@ partials: with lse_s = m_s + log(l_s) per chunk, out = sum_s exp(lse_s - M) o_s 
 for M = max_s lse_s. (Dao et al., "Flash-Decoding for long-context inference", 2023.)
 
 Ragged batches: `lengths[b]` says how many of the cache's slots sequence b fills; keys beyond it
-are never read, so a batch of sequences of different lengths costs the bytes each one holds.
+are never read, so a batch of sequences of different lengths costs the bytes each one holds. The
+number of chunks is fixed by the launch (from the longest context it allows: for a CUDA graph, the
+model's whole context), but each row's own length is cut into them: a 512-token row under a graph
+sized for 131,072 tokens still spreads its keys over many programs instead of filling the first
+chunk alone (benchmarks/decode_key_range.py).
 
 Paged caches (chapter 04): `paged_decode_attention` runs the same kernel on a paged cache's pools
 [num_blocks, block_size, H_kv, D], finding each key's block in the sequence's block table. Only the
@@ -110,9 +114,16 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    length = tl.load(Lengths + b) if HAS_LENGTHS else S
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
+    if HAS_LENGTHS:  # this row's own length cut into the launch's chunks, whole tiles each (CHUNK is cut from S,
+        length = tl.load(Lengths + b)  # the longest context the launch allows: a CUDA graph's whole range)
+        chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    else:
+        length, chunk = S, CHUNK
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    if HAS_LENGTHS and not FINAL:
+        if (split > 0) & (start >= length):  # past the row's end: the combine skips this chunk, nothing to write
+            return
 
     offs_g = tl.arange(0, BLOCK_G)  # query heads kv_h * GROUP + g, g < GROUP (the rest is padding)
     offs_n = tl.arange(0, BLOCK_N)
@@ -177,14 +188,20 @@ def _combine_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_b, stride_h, stride_d,
-    NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    Lengths, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
 ):
-    """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s."""
+    """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s, over the chunks
+    that hold keys of row b (with lengths, the split kernel writes nothing for the others)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     real = offs_s < NUM_SPLITS
+    if HAS_LENGTHS:  # the split kernel's chunks of this row: chunk s holds keys if it starts before the row's end
+        length = tl.load(Lengths + b)
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        real = real & ((offs_s == 0) | (offs_s * chunk < length))
     lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=real, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; chunk 0 always holds key 0, so M is finite
     o = tl.load(O_part + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :] * stride_od,
@@ -358,7 +375,8 @@ def _launch(
     _combine_kernel[(B, H)](
         o_part, lse_part, out,
         *o_part.stride(), *lse_part.stride(), *out.stride(),
-        splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        lengths if lengths is not None else q, splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        BLOCK_N=BLOCK_N, HAS_LENGTHS=lengths is not None,
     )
     return out
 

@@ -4,11 +4,13 @@ At batch 1 every linear layer is y = W x with x one row: each weight is read onc
 multiply-add, so the layer can take no less than (weight bytes) / (memory bandwidth). cuBLAS picks a
 GEMM tile for it (8 rows of x padded, a split K and a second reduction kernel for some shapes); on
 an H200 that streamed Llama-3.2-1B's 2048 x 3072 and 2048 x 2048 projections at about 40% of the copy
-bandwidth and its MLP's down projection at about 70% (results/roofline_cuda_async.json: 5.8 us for
-an 8-12 MB matrix that needs 2-3 us). A matrix-vector product needs no tiles of x at all:
+bandwidth (34-51%) and its MLP's down projection at about 60% with its split-K reduction
+(results/roofline_cuda_async.json, read by matching kernels to layers). A matrix-vector product needs
+no tiles of x at all:
 
-    program p owns BLOCK_N outputs (rows of W); its threads spread along K, each holding VEC
-    consecutive weights of every one of its rows (a 16-byte load in bf16), so one value of x serves
+    program p owns BLOCK_N outputs (rows of W); its threads spread along K, each meant to hold VEC
+    consecutive weights of every one of its rows (the step's BLOCK_K = VEC x 32 x warps inputs is
+    sized so that Triton spreads the tile that way: a 16-byte load in bf16), so one value of x serves
     BLOCK_N weights; products accumulate in fp32 per thread and are summed across the threads once,
     at the end. The next step's weights are loaded before this step's multiply (register double
     buffering), so a load is always in flight.
@@ -19,11 +21,15 @@ flight, the thing a bandwidth-bound kernel needs.
 SwiGLU fused in (`swiglu=True`): the MLP's down projection takes silu(gate) * up, which the fused path
 computes in its own kernel (`silu_and_mul`) and writes to memory for the matmul to read back. Here each
 program computes it from gate_up as it loads x, rounded exactly as `silu_and_mul` rounds (silu to the
-dtype, then the product): one launch fewer per layer, and the same x to the last bit.
+dtype, then the product): one launch fewer per layer, and the same x (to the last bit where libdevice's
+expf agrees with PyTorch's, as for `silu_and_mul`; the tests run through the interpreter, not on a GPU).
 
 `matvec_reference` is the definition: `F.linear` (on the silu_and_mul of x when swiglu). The kernel sums
 in a different order than cuBLAS, so the two agree to fp32 rounding of the sums, then one rounding to
-the output dtype. tests/test_kernels.py checks it through Triton's CPU interpreter.
+the output dtype. tests/test_fused_kernels.py checks it through Triton's CPU interpreter (and on a GPU).
+
+Measured (H200, benchmarks/matvec.py, results/matvec_cuda.json): the batch-1 replay of Llama-3.2-1B's
+shape 1.13 -> 1.03 ms, of Llama-3-8B's 4.73 -> 4.54 ms, mostly from fewer kernels (chapter 05).
 """
 
 # ruff: noqa: N803, N806 - Triton kernels name compile-time constants and pointers in capitals (BLOCK_N, X)
@@ -41,8 +47,9 @@ from .swiglu import silu_and_mul_reference
 # The kernel's tile by the layer's inputs K: (outputs a program, warps a program, consecutive weights a thread
 # loads per row and step; 8 x 2 bytes = one 16-byte load). The first entry whose bound K does not exceed
 # applies (None: any K). Chosen inside the engine's batch-1 graph step on an H200 (benchmarks/matvec.py,
-# results/matvec_cuda_by_k.json): 4 warps for Llama-3.2-1B's layers (K = 2048 and its MLP's 8192), 2 for
-# Llama-3-8B's (4096 and 14336). Other widths take the nearest rule; the differences were a few percent.
+# results/matvec_cuda_by_k.json, confirmed in matvec_cuda.json): 4 warps for Llama-3.2-1B's layers (K = 2048 and
+# its MLP's 8192), 2 for Llama-3-8B's (4096 and 14336). Other widths take the next bound up; the tiles differed
+# by a few percent.
 TILES_BY_K: list[tuple[int | None, tuple[int, int, int]]] = [
     (2048, (4, 4, 8)), (4096, (4, 2, 8)), (8192, (4, 4, 8)), (None, (4, 2, 8))]
 

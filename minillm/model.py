@@ -290,8 +290,8 @@ def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Ten
     """layer(x) (layer(silu(gate) * up) with swiglu, x then being gate_up [..., 2F]): x [..., K] -> [..., N].
 
     A single row of 16-bit x on the fused path (`use_fused_kernels`) through a plain `nn.Linear` runs as one
-    matrix-vector kernel, `minillm.kernels.matvec`, which streams the weights faster than cuBLAS's tiles
-    at batch 1 (chapter 05) and computes silu(gate) * up as it loads x; MINILLM_MATVEC=0 turns it off.
+    matrix-vector kernel, `minillm.kernels.matvec`: fewer kernels than cuBLAS's tiles at batch 1 (no split-K
+    reductions) and silu(gate) * up computed as it loads x (chapter 05); MINILLM_MATVEC=0 turns it off.
     Anything else (several rows, quantised or LoRA layers, hooks, the CPU) runs as written.
     """
     if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and x.dtype in (torch.float16, torch.bfloat16)

@@ -494,6 +494,23 @@ def test_paged_decode_attention_shared_blocks_and_any_split(num_splits):
     assert_close(got, decode_attention_reference(q, k, v, lengths), torch.float32, f"{num_splits} splits, shared")
 
 
+def test_paged_decode_attention_cuts_each_rows_own_length_into_the_chunks():
+    """Chunks are cut from each row's length, not from the launch's key range: block tables far wider than the rows
+    (a CUDA graph's range: 1,024 keys), their extra columns pointing at a block full of NaN, many splits, rows of
+    70, 33 and 1 keys. Every key is read once and no key past a row's end is read."""
+    from minillm.kernels import paged_decode_attention
+
+    q, k, v = random_decode(3, 4, 2, 70, 32, torch.float32, seed=11)
+    lengths = [70, 33, 1]
+    k_pool, v_pool, tables = scatter_into_pool(k, v, lengths, 16, seed=2)
+    wide = torch.full((3, 64), k_pool.shape[0] - 1, dtype=tables.dtype, device=DEVICE)  # a spare block: NaN
+    wide[:, : tables.shape[1]] = tables
+    for splits in (3, 16, 64):
+        got = paged_decode_attention(q, k_pool, v_pool, wide, torch.tensor(lengths, device=DEVICE), num_splits=splits)
+        assert_close(got, decode_attention_reference(q, k, v, torch.tensor(lengths, device=DEVICE)), torch.float32,
+                     f"{splits} splits over a 1,024-key range")
+
+
 def test_paged_decode_attention_bf16_through_the_interpreter():
     from minillm.kernels import paged_decode_attention
 
