@@ -32,6 +32,8 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 from minillm.kernels import (  # noqa: E402
     fused_rotary,
     fused_rotary_reference,
+    greedy_reference,
+    greedy_tokens,
     matvec,
     matvec_reference,
     silu_and_mul,
@@ -45,8 +47,9 @@ from minillm.model import MLP, RotaryEmbedding, apply_rotary, rope_inverse_frequ
 ROTARY = sys.modules["minillm.kernels.rotary"]
 SWIGLU = sys.modules["minillm.kernels.swiglu"]
 MATVEC = sys.modules["minillm.kernels.matvec"]
+GREEDY = sys.modules["minillm.kernels.greedy"]
 DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and not (ROTARY._interpreted() and SWIGLU._interpreted() and MATVEC._interpreted()):
+if not CUDA and not all(m._interpreted() for m in (ROTARY, SWIGLU, MATVEC, GREEDY)):
     pytest.skip(
         "minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; "
         "run this file on its own (pytest tests/test_fused_kernels.py)",
@@ -415,3 +418,80 @@ def test_matvec_at_llama_shapes_on_cuda(shape):
     assert_matvec_close(matvec(x, weight), x, weight, None, False, torch.bfloat16, "plain")
     gate_up = torch.randn(1, 1, 2 * K, device=DEVICE).bfloat16()
     assert_matvec_close(matvec(gate_up, weight, swiglu=True), gate_up, weight, None, True, torch.bfloat16, "swiglu")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")  # NumPy's -inf - -inf, interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_greedy_tokens_match_argmax_and_log_softmax(dtype):
+    """Each row's argmax (the first of equal maxima, even across chunks) and log_softmax at it; a vocabulary that
+    is not a multiple of the chunk; masked (-inf) logits; a row whose maximum sits in the last, partial chunk."""
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(5, 1000, generator=g)).to(DEVICE, dtype)
+    logits[0, 700] = logits[0, 100] = 20.0  # a tie in two chunks: the first wins
+    logits[1, 640:] = float("-inf")
+    logits[2, 999] = 30.0  # in the partial last chunk
+    logits[3, 128] = logits[3, 129] = 25.0  # a tie within one chunk
+    tokens, logprobs = greedy_tokens(logits, block=128)
+    ref_tokens, ref_logprobs = greedy_reference(logits)
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert tokens.tolist() == ref_tokens.tolist() and tokens[0] == 100 and tokens[2] == 999 and tokens[3] == 128
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
+    one, one_lp = greedy_tokens(logits[4:5])  # the default chunk: one partial chunk of the 1,000
+    assert one.tolist() == ref_tokens[4:5].tolist()
+    torch.testing.assert_close(one_lp, ref_logprobs[4:5], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_tokens_rejects_bad_inputs(monkeypatch):
+    """A 1-d or empty vocabulary, integer logits, a CPU tensor without the interpreter: errors that say what to do."""
+    x = torch.randn(2, 8, device=DEVICE)
+    for bad, message in [(x[0], "\\[B, V\\]"), (x[:, :0], "V >= 1"), (x.int(), "float16, bfloat16 or float32")]:
+        with pytest.raises(ValueError, match=message):
+            greedy_tokens(bad)
+    if not CUDA:
+        monkeypatch.setattr(GREEDY, "_interpreted", lambda: False)
+        with pytest.raises(ValueError, match="needs a CUDA tensor.*greedy_reference"):
+            greedy_tokens(x)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")
+def test_the_engine_samples_plain_greedy_steps_through_the_kernels(monkeypatch):
+    """`ModelRunner.sample`: a step of plain greedy rows gives the same tokens and log-probabilities through the
+    kernels as through PyTorch; a penalty, top log-probabilities, a constraint or a sampled row keep PyTorch."""
+    from types import SimpleNamespace
+
+    from minillm.engine import model_runner
+    from minillm.sampling import SamplingParams
+
+    def seq(**params):
+        return SimpleNamespace(params=SamplingParams(**params), constraint=None, generator=None,
+                               prompt_token_ids=[1, 2], output_token_ids=[3])
+
+    g = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(3, 3000, generator=g)).to(DEVICE, torch.bfloat16)
+    seqs = [seq(temperature=0), seq(temperature=0, logprobs=0), seq(temperature=0, top_k=5)]
+    monkeypatch.setattr(model_module, "_triton_kernels_run", lambda x: True)  # as on a GPU
+    assert model_runner.plain_greedy(seqs, logits)
+    for other in [seq(temperature=0, repetition_penalty=1.2), seq(temperature=0, logprobs=2), seq(temperature=0.8),
+                  seq(temperature=0, presence_penalty=0.5)]:
+        assert not model_runner.plain_greedy([*seqs[:2], other], logits)
+    constrained = seq(temperature=0)
+    constrained.constraint = object()
+    assert not model_runner.plain_greedy([constrained], logits)
+    runner = SimpleNamespace(_constrain=model_runner.ModelRunner._constrain)  # sample() needs nothing else
+    fast = model_runner.ModelRunner.sample(runner, seqs, logits).read()
+    monkeypatch.setattr(model_module, "_triton_kernels_run", lambda x: False)  # PyTorch, as before
+    slow = model_runner.ModelRunner.sample(runner, seqs, logits).read()
+    assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
+    for f, s in zip(fast, slow):
+        assert f.logprobs == pytest.approx(s.logprobs, abs=1e-5) and f.top_logprobs == s.top_logprobs == [{}]
+
+
+@cuda_only
+def test_greedy_tokens_at_llama3s_vocabulary_on_cuda():
+    """128,256 bf16 logits at batch 1 and 64: argmax exactly, log-probabilities to fp32 rounding."""
+    for batch in (1, 64):
+        logits = (4 * torch.randn(batch, 128256, device=DEVICE)).bfloat16()
+        tokens, logprobs = greedy_tokens(logits)
+        ref_tokens, ref_logprobs = greedy_reference(logits)
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)

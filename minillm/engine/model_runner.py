@@ -81,6 +81,16 @@ class StepTokens:
         return out
 
 
+def plain_greedy(seqs: list[Seq], logits: torch.Tensor) -> bool:
+    """Whether every row takes its argmax from raw logits and wants only the chosen token's log-probability, with
+    minillm's Triton kernels usable on `logits` (a GPU; MINILLM_TRITON not 0)."""
+    from minillm.model import _triton_kernels_run
+
+    return _triton_kernels_run(logits) and all(
+        s.params.greedy and s.constraint is None and not s.params.logprobs and s.params.repetition_penalty == 1
+        and s.params.frequency_penalty == 0 and s.params.presence_penalty == 0 for s in seqs)
+
+
 @torch.inference_mode()
 def paged_forward(
     model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
@@ -218,7 +228,14 @@ class ModelRunner:
 
         Everything stays on the device, and the host does not wait: the result's `read()` brings the whole batch
         over at once (one copy each of the tokens and their log-probabilities; a float(...) per row would make
-        the host wait on the GPU once per row)."""
+        the host wait on the GPU once per row). A step of plain greedy rows (no penalty, constraint or top
+        log-probabilities) takes its tokens and their log-probabilities from two Triton kernels on a GPU
+        (`minillm.kernels.greedy_tokens`: PyTorch's argmax and log-softmax of one long row are slow, chapter 05)."""
+        if plain_greedy(seqs, logits):
+            from minillm.kernels import greedy_tokens
+
+            tokens, chosen = greedy_tokens(logits)
+            return StepTokens(seqs, tokens, chosen, None, 0)
         tokens = sample(self._constrain(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs],
                         prompt_ids=[s.prompt_token_ids for s in seqs], output_ids=[s.output_token_ids for s in seqs])
         k = max((s.params.logprobs or 0) for s in seqs)
