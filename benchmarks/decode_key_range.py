@@ -22,10 +22,9 @@ import sys
 
 import torch
 from common import write_results
-from matvec import replay_seconds
+from matvec import alternated_replays, random_model
 from roofline import SHAPES, prefilled_cache, profile_steps
 
-import minillm
 from minillm.engine.cuda_graphs import DecodeGraphs
 
 
@@ -40,27 +39,15 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_key_range.py needs a CUDA GPU.")
-    import transformers
-
     rows = []
     for shape in args.shapes:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=max(args.ranges))
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            hf = transformers.LlamaForCausalLM(config).eval()
-        torch.set_default_dtype(torch.float32)
-        model = minillm.from_transformers(hf)
-        del hf
+        model = random_model(shape, max(args.ranges))
         cache, tokens = prefilled_cache(model, 1, args.context, max(args.ranges))
         graphs = {}
         for key_range in args.ranges:
             graphs[key_range] = DecodeGraphs(model, cache, max_batch=1, max_seq_len=key_range)
             graphs[key_range].run([0], tokens)  # inputs in place: replays rewrite the same slot
-        times: dict[int, list[float]] = {r: [] for r in graphs}
-        for _ in range(args.rounds):
-            for key_range, g in graphs.items():
-                times[key_range].append(replay_seconds(g, args.steps))
+        times = alternated_replays(graphs, args.rounds, args.steps)
         for key_range, g in graphs.items():
             profile = profile_steps(lambda g=g, t=tokens: g.run([0], t))
             replay = statistics.median(times[key_range])

@@ -69,6 +69,28 @@ def capture(model, cache, tiles: list | None, max_seq_len: int) -> DecodeGraphs:
         os.environ.pop("MINILLM_MATVEC")
 
 
+def random_model(shape: str, max_position_embeddings: int = 4096):  # noqa: ANN201 - a minillm Transformer
+    """minillm's conversion of a transformers Llama of `shape` (SHAPES), random bf16 weights (seed 0), on the GPU."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=max_position_embeddings)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    return minillm.from_transformers(hf)
+
+
+def alternated_replays(graphs: dict, rounds: int, steps: int) -> dict:
+    """Seconds per replay of each batch-1 graph, `rounds` rounds of `steps` replays, the graphs taking turns."""
+    times: dict = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            times[name].append(replay_seconds(g, steps))
+    return times
+
+
 def replay_seconds(graphs: DecodeGraphs, steps: int) -> float:
     graph = graphs.graphs[1]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,19 +112,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/matvec.py needs a CUDA GPU.")
-    import transformers
-
     bandwidth, _ = copy_bandwidth()
     rows = []
     for shape in args.shapes:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            hf = transformers.LlamaForCausalLM(config).eval()
-        torch.set_default_dtype(torch.float32)
-        model = minillm.from_transformers(hf)
-        del hf
+        model = random_model(shape)
         bytes_read = (arithmetic.weight_bytes_read(model.config, 1)
                       + arithmetic.kv_cache_bytes(model.config, args.context, 1))
         roofline = bytes_read / bandwidth
@@ -112,10 +125,7 @@ def main() -> None:
             cache, tokens = prefilled_cache(model, 1, args.context, args.steps + 20)
             graphs[name] = capture(model, cache, tiles, args.context + args.steps + 20)
             logits[name] = graphs[name].run([0], tokens).float()  # the same position and token for each
-        times: dict[str, list[float]] = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, g in graphs.items():
-                times[name].append(replay_seconds(g, args.steps))
+        times = alternated_replays(graphs, args.rounds, args.steps)
         for name, g in graphs.items():
             profile = profile_steps(lambda g=g, t=tokens: g.run([0], t))
             replay = statistics.median(times[name])
