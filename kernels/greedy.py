@@ -2,9 +2,9 @@
 
 A greedy decode step ends with two reductions over the vocabulary: the argmax (the token) and, for the
 token's log-probability, a log-softmax. PyTorch runs them as separate kernels, on a float32 copy of the
-logits, and a reduction of one long row is parallel only across the row's blocks of one program: on an
-H200 at batch 1 (Llama-3's 128,256 tokens; results/engine_step_profile_cuda.json) the argmax took 28 us
-and the log-softmax 29 us, 5% of the 1B shape's whole step.
+logits; on an H200 at batch 1 (Llama-3's 128,256 tokens; results/engine_step_profile_cuda.json) the
+argmax took 28 us and the log-softmax 29 us, 5% of the 1B shape's whole step: far more than reading
+0.25 MB needs (our guess: one row's reduction occupies few of the GPU's processors; not measured).
 
 Here the row is cut into chunks of BLOCK logits, one program each (63 for that vocabulary), and each
 program reads its chunk once and writes three numbers: its largest logit m_c, where it is (the first
@@ -15,10 +15,11 @@ such), and s_c = sum exp(x - m_c). A second kernel, one program per row, combine
                                  = -log sum_c s_c exp(m_c - M).
 
 The token equals `argmax` (the first of equal maxima, as torch.argmax picks); the log-probability equals
-`log_softmax(x.float())[token]` up to fp32 rounding in a different order. `greedy_reference` is the
+`log_softmax(x.float())[token]` up to fp32 rounding in a different order (the top chunk's s_c >= 1, so
+the log-probability is <= 0). `greedy_reference` is the
 definition. The engine takes this path when every row of a step is greedy, with no penalty, constraint or
-top log-probabilities asked (minillm.engine.model_runner). Rows whose logits are all -inf or hold NaN are
-not defined here (a model that produces them is broken).
+top log-probabilities asked (minillm.engine.model_runner). Rows whose logits are all -inf or hold NaN or
++inf are not defined here (a model that produces them is broken).
 """
 
 # ruff: noqa: N803 - Triton kernels name compile-time constants and pointers in capitals (BLOCK, X)
@@ -39,7 +40,7 @@ def greedy_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _chunk_kernel(X, M, IDX, S, V, stride_x, n_chunks, BLOCK: tl.constexpr):
+def _greedy_chunk_kernel(X, M, IDX, S, V, stride_x, n_chunks, BLOCK: tl.constexpr):
     """Program (row b, chunk c): the chunk's max, the first index of it, and sum exp(x - max)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -54,7 +55,7 @@ def _chunk_kernel(X, M, IDX, S, V, stride_x, n_chunks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(M, IDX, S, TOKENS, LOGPROBS, n_chunks, BLOCK_C: tl.constexpr):
+def _greedy_combine_kernel(M, IDX, S, TOKENS, LOGPROBS, n_chunks, BLOCK_C: tl.constexpr):
     """Program b: the row's token (the first chunk holding the maximum) and its log-probability."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -69,10 +70,10 @@ def _combine_kernel(M, IDX, S, TOKENS, LOGPROBS, n_chunks, BLOCK_C: tl.constexpr
 
 def _interpreted() -> bool:
     """True when the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(_chunk_kernel, triton.runtime.JITFunction)
+    return not isinstance(_greedy_chunk_kernel, triton.runtime.JITFunction)
 
 
-def greedy_tokens(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_argmax(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (float16, bfloat16 or float32; the last dim contiguous) -> (tokens [B] int64, their
     log-probabilities [B] float32): `greedy_reference` in two launches (see the module docstring)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
@@ -81,7 +82,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}.")
     if logits.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"greedy_tokens needs a CUDA tensor, got {logits.device}. Move it with .cuda(), set "
+        raise ValueError(f"greedy_argmax needs a CUDA tensor, got {logits.device}. Move it with .cuda(), set "
                          "TRITON_INTERPRET=1 before importing triton, or call greedy_reference.")
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     B, V = logits.shape
@@ -91,6 +92,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
-        _chunk_kernel[(B, n_chunks)](logits, m, idx, s, V, logits.stride(0), n_chunks, BLOCK=block)
-        _combine_kernel[(B,)](m, idx, s, tokens, logprobs, n_chunks, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)))
+        _greedy_chunk_kernel[(B, n_chunks)](logits, m, idx, s, V, logits.stride(0), n_chunks, BLOCK=block)
+        _greedy_combine_kernel[(B,)](m, idx, s, tokens, logprobs, n_chunks,
+                                     BLOCK_C=max(2, triton.next_power_of_2(n_chunks)))
     return tokens, logprobs

@@ -32,8 +32,8 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 from minillm.kernels import (  # noqa: E402
     fused_rotary,
     fused_rotary_reference,
+    greedy_argmax,
     greedy_reference,
-    greedy_tokens,
     matvec,
     matvec_reference,
     silu_and_mul,
@@ -422,7 +422,7 @@ def test_matvec_at_llama_shapes_on_cuda(shape):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")  # NumPy's -inf - -inf, interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_greedy_tokens_match_argmax_and_log_softmax(dtype):
+def test_greedy_argmax_match_argmax_and_log_softmax(dtype):
     """Each row's argmax (the first of equal maxima, even across chunks) and log_softmax at it; a vocabulary that
     is not a multiple of the chunk; masked (-inf) logits; a row whose maximum sits in the last, partial chunk."""
     g = torch.Generator().manual_seed(5)
@@ -431,26 +431,26 @@ def test_greedy_tokens_match_argmax_and_log_softmax(dtype):
     logits[1, 640:] = float("-inf")
     logits[2, 999] = 30.0  # in the partial last chunk
     logits[3, 128] = logits[3, 129] = 25.0  # a tie within one chunk
-    tokens, logprobs = greedy_tokens(logits, block=128)
+    tokens, logprobs = greedy_argmax(logits, block=128)
     ref_tokens, ref_logprobs = greedy_reference(logits)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert tokens.tolist() == ref_tokens.tolist() and tokens[0] == 100 and tokens[2] == 999 and tokens[3] == 128
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
-    one, one_lp = greedy_tokens(logits[4:5])  # the default chunk: one partial chunk of the 1,000
+    one, one_lp = greedy_argmax(logits[4:5])  # the default chunk: one partial chunk of the 1,000
     assert one.tolist() == ref_tokens[4:5].tolist()
     torch.testing.assert_close(one_lp, ref_logprobs[4:5], rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_tokens_rejects_bad_inputs(monkeypatch):
+def test_greedy_argmax_rejects_bad_inputs(monkeypatch):
     """A 1-d or empty vocabulary, integer logits, a CPU tensor without the interpreter: errors that say what to do."""
     x = torch.randn(2, 8, device=DEVICE)
     for bad, message in [(x[0], "\\[B, V\\]"), (x[:, :0], "V >= 1"), (x.int(), "float16, bfloat16 or float32")]:
         with pytest.raises(ValueError, match=message):
-            greedy_tokens(bad)
+            greedy_argmax(bad)
     if not CUDA:
         monkeypatch.setattr(GREEDY, "_interpreted", lambda: False)
         with pytest.raises(ValueError, match="needs a CUDA tensor.*greedy_reference"):
-            greedy_tokens(x)
+            greedy_argmax(x)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")
@@ -487,11 +487,11 @@ def test_the_engine_samples_plain_greedy_steps_through_the_kernels(monkeypatch):
 
 
 @cuda_only
-def test_greedy_tokens_at_llama3s_vocabulary_on_cuda():
+def test_greedy_argmax_at_llama3s_vocabulary_on_cuda():
     """128,256 bf16 logits at batch 1 and 64: argmax exactly, log-probabilities to fp32 rounding."""
     for batch in (1, 64):
         logits = (4 * torch.randn(batch, 128256, device=DEVICE)).bfloat16()
-        tokens, logprobs = greedy_tokens(logits)
+        tokens, logprobs = greedy_argmax(logits)
         ref_tokens, ref_logprobs = greedy_reference(logits)
         assert torch.equal(tokens, ref_tokens)
         torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)

@@ -230,11 +230,11 @@ class ModelRunner:
         over at once (one copy each of the tokens and their log-probabilities; a float(...) per row would make
         the host wait on the GPU once per row). A step of plain greedy rows (no penalty, constraint or top
         log-probabilities) takes its tokens and their log-probabilities from two Triton kernels on a GPU
-        (`minillm.kernels.greedy_tokens`: PyTorch's argmax and log-softmax of one long row are slow, chapter 05)."""
+        (`minillm.kernels.greedy_argmax`: PyTorch's argmax and log-softmax of one long row are slow, chapter 05)."""
         if plain_greedy(seqs, logits):
-            from minillm.kernels import greedy_tokens
+            from minillm.kernels import greedy_argmax
 
-            tokens, chosen = greedy_tokens(logits)
+            tokens, chosen = greedy_argmax(logits)
             return StepTokens(seqs, tokens, chosen, None, 0)
         tokens = sample(self._constrain(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs],
                         prompt_ids=[s.prompt_token_ids for s in seqs], output_ids=[s.output_token_ids for s in seqs])
