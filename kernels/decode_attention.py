@@ -85,6 +85,13 @@ def decode_attention_reference(
 
 
 @triton.jit
+def _row_chunk(length, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per chunk when a row of `length` keys is cut into `num_splits` chunks of whole tiles: the split kernel
+    and the combine must agree on it (the combine reads only the chunks that start before the row's end)."""
+    return tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, Lengths, BlockTables, O_part, LSE_part, K_Scale, V_Scale,
     stride_qb, stride_qh, stride_qd,
@@ -116,7 +123,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     if HAS_LENGTHS:  # this row's own length cut into the launch's chunks, whole tiles each (CHUNK is cut from S,
         length = tl.load(Lengths + b)  # the longest context the launch allows: a CUDA graph's whole range)
-        chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        chunk = _row_chunk(length, tl.num_programs(2), BLOCK_N)
     else:
         length, chunk = S, CHUNK
     start = split * chunk
@@ -200,7 +207,7 @@ def _combine_kernel(
     real = offs_s < NUM_SPLITS
     if HAS_LENGTHS:  # the split kernel's chunks of this row: chunk s holds keys if it starts before the row's end
         length = tl.load(Lengths + b)
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = _row_chunk(length, NUM_SPLITS, BLOCK_N)
         real = real & ((offs_s == 0) | (offs_s * chunk < length))
     lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=real, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; chunk 0 always holds key 0, so M is finite
