@@ -17,7 +17,7 @@ import sys
 
 import torch
 from common import write_results
-from engine_throughput import LLAMA_1B, make_requests, random_llama_1b, run_minillm
+from engine_throughput import LLAMA_1B, make_requests, random_llama_1b, roofline_gpu, roofline_seconds, run_minillm
 
 
 def main() -> None:
@@ -40,6 +40,8 @@ def main() -> None:
         run_minillm(model, requests[:8], 8, 2048, **flag)  # warm-up: compile the kernels, allocate
         ours = run_minillm(model, requests, 256, 8192, **flag)
         steps = ours.pop("steps")
+        roof = roofline_seconds(model.config, steps, roofline_gpu())  # as engine_throughput.py computes it
+        ours.update(roofline_gpu=roofline_gpu(), roofline_seconds=roof, fraction_of_roofline=roof / ours["seconds"])
         with_prompts = [s for s in steps if s["prefill_tokens"]]
         ours.update(mode=mode, mean_decode_batch=statistics.fmean(s["decode_tokens"] for s in steps),
                     num_steps=len(steps), prefill_steps=len(with_prompts),
@@ -49,7 +51,7 @@ def main() -> None:
               f"{len(steps) - len(with_prompts)} decode-only steps {ours['decode_only_seconds']:.2f} s", flush=True)
         runs.append(ours)
         print(f"minillm ({mode}): {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.2f} s, "
-              f"{len(steps)} steps)", flush=True)
+              f"{len(steps)} steps), {ours['fraction_of_roofline']:.1%} of the step roofline", flush=True)
     path = write_results(args.name, {"benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, "
                                      "Llama-3.2-1B shape, random bf16 weights", "settings": vars(args),
                                      "minillm": runs[0], "runs": runs})

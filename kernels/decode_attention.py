@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .paged_kv import gather_kv
+from .pdl import gdc_launch_dependents, gdc_wait, launch_options, use_pdl
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,7 +105,7 @@ def _decode_split_kernel(
     GROUP, CHUNK, S, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     FINAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, kv_h, s): the G query heads of KV head kv_h of sequence b, over keys of chunk s.
 
@@ -117,7 +118,11 @@ def _decode_split_kernel(
     With QUANT (chapter 06, paged only) the pools hold 8-bit codes and K_Scale, V_Scale [num_blocks,
     PAGE_SIZE, H_kv] one fp32 scale per key and value vector: scores = (q . codes) * scale per key, and
     the softmax weights are multiplied by each value's scale before the p v dot.
+    PDL: launched with programmatic dependent launch (kernels/pdl.py): it waits before its first read.
     """
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kv_h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -196,10 +201,13 @@ def _combine_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_b, stride_h, stride_d,
     Lengths, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s, over the chunks
     that hold keys of row b (with lengths, the split kernel writes nothing for the others)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -356,7 +364,8 @@ def _launch(
     upcast = _interpreted() and q.dtype == torch.bfloat16  # (8-bit codes are converted to q's dtype in the kernel)
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     warps = GPU_FULL_BATCH_WARPS if full_batch else GPU_WARPS
-    launch = {} if _interpreted() else {"num_warps": warps, "num_stages": GPU_STAGES}
+    pdl = use_pdl(q)
+    launch = {} if _interpreted() else {"num_warps": warps, "num_stages": GPU_STAGES, **launch_options(pdl)}
 
     final = splits == 1  # one chunk per sequence: no partial results, no combine kernel
     if final:
@@ -375,7 +384,7 @@ def _launch(
         group, chunk, S, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         HAS_LENGTHS=lengths is not None, FINAL=final, UPCAST=upcast, DOT_PRECISION=precision,
-        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, QUANT=kv_scales is not None, **launch,
+        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, QUANT=kv_scales is not None, PDL=pdl, **launch,
     )
     if final:
         return out
@@ -383,7 +392,7 @@ def _launch(
         o_part, lse_part, out,
         *o_part.stride(), *lse_part.stride(), *out.stride(),
         lengths if lengths is not None else q, splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        BLOCK_N=BLOCK_N, HAS_LENGTHS=lengths is not None,
+        BLOCK_N=BLOCK_N, HAS_LENGTHS=lengths is not None, PDL=pdl, **launch_options(pdl),
     )
     return out
 

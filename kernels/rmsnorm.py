@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_dependents, gdc_wait, launch_options, use_pdl
+
 
 def fused_add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
@@ -51,12 +53,18 @@ def _fused_add_rms_norm_kernel(
     X, R, W, OUT, NEW_R,
     stride_x, stride_r, stride_out, stride_new_r,
     dim, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program = one row: read x and residual once, write normed and the new residual once."""
+    """One program = one row: read x and residual once, write normed and the new residual once. PDL: launched
+    with programmatic dependent launch (kernels/pdl.py): the norm's weight loads before the wait."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < dim  # the row padded up to a power of two; the padding reads as 0 and is never stored
+    w = tl.load(W + cols, mask=inside, other=0.0)
+    if PDL:
+        gdc_wait()
     x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
     r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0)
     h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded to the input dtype, as x + residual is
@@ -64,7 +72,6 @@ def _fused_add_rms_norm_kernel(
 
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / dim + eps)  # fp32 statistics (padding adds 0 to the sum)
-    w = tl.load(W + cols, mask=inside, other=0.0)
     normed = (hf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)  # round like `weight * normed.to(dtype)`
     tl.store(OUT + row * stride_out + cols, normed.to(OUT.dtype.element_ty), mask=inside)
 
@@ -112,9 +119,10 @@ def fused_add_rms_norm(
     new_residual = torch.empty_like(normed)
     if rows:
         num_warps = 1 if _interpreted() else min(16, max(1, BLOCK // 256))
+        pdl = use_pdl(x2)
         _fused_add_rms_norm_kernel[(rows,)](
             x2, r2, weight, normed, new_residual,
             x2.stride(0), r2.stride(0), normed.stride(0), new_residual.stride(0),
-            dim, float(eps), BLOCK=BLOCK, num_warps=num_warps,
+            dim, float(eps), BLOCK=BLOCK, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return normed.view(x.shape), new_residual.view(x.shape)

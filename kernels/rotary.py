@@ -63,6 +63,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .pdl import gdc_launch_dependents, gdc_wait, launch_options, use_pdl
+
 
 def fused_rotary_reference(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
@@ -130,14 +132,20 @@ def _fused_rotary_kernel(
     stride_vn, stride_vh, stride_von, stride_voh,
     n_q_heads, n_k_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr, TO_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program = one token: its angles once, then every query head and every key head.
 
     With TO_CACHE, K_OUT and V_OUT are a layer's key and value pools seen as [slots, H_kv, D]: the token's
-    rotated keys and its values go straight to row SLOTS[token] of each (the paged cache's write, chapter 04)."""
+    rotated keys and its values go straight to row SLOTS[token] of each (the paged cache's write, chapter 04).
+    PDL: launched with programmatic dependent launch (kernels/pdl.py): the frequencies load before the wait."""
+    if PDL:
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     inv_freq = tl.load(INV_FREQ + cols, mask=cols < half, other=0.0)
+    if PDL:
+        gdc_wait()
     angle = tl.load(POS + token).to(tl.float32) * inv_freq  # fp32, as `positions.float() * inv_freq`
     if LIBDEVICE:  # CUDA's accurate cosf/sinf, as PyTorch's kernels use (tl.cos may be a fast approximation)
         c, s = libdevice.cos(angle), libdevice.sin(angle)
@@ -241,13 +249,16 @@ def fused_rotary(
     # a tile of at most 2048 elements per half (32 heads of D = 128): few loop trips, no register spills
     BLOCK_H = max(1, min(triton.next_power_of_2(max(H, H_kv, 1)), 2048 // BLOCK_HALF))
     interpreted = _interpreted()
-    options = {} if interpreted else {"num_warps": 4, "enable_fp_fusion": False}  # no fma: round like PyTorch
+    pdl = use_pdl(q)
+    options = {} if interpreted else {"num_warps": 4, "enable_fp_fusion": False,  # no fma: round like PyTorch
+                                      **launch_options(pdl)}
     _fused_rotary_kernel[(N,)](
         q, k, positions, inv_freq, q_out, k_out, v, v_out, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         v.stride(0), v.stride(1), v_out.stride(0), v_out.stride(1),
         H, H_kv, half,
-        BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, LIBDEVICE=not interpreted, TO_CACHE=cache is not None, **options,
+        BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, LIBDEVICE=not interpreted, TO_CACHE=cache is not None, PDL=pdl,
+        **options,
     )
     return q_out, None if cache is not None else k_out
