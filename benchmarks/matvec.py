@@ -13,10 +13,9 @@ Llama-3-8B's shapes (random bf16 weights, a 512-token context):
   default (a coordinate search over the shape's two K: q/k/v, o and gate/up read the model's width,
   down its MLP's).
 
-`--sweep norm` compares, instead, the block's two RMSNorms as kernels of their own (`norm apart`,
-MINILLM_MATVEC_NORM=0) against the norms computed inside the next projection's kernel
-(`minillm.kernels.add_rms_norm_matvec`), with NORM_TILES_BY_K's tile (`norm inside`) or each candidate's.
-`--sweep pdl`: minillm's kernels launched with programmatic dependent launch (kernels/pdl.py) or not.
+`--sweep pdl` compares, instead, minillm's kernels launched with programmatic dependent launch (kernels/pdl.py)
+and without. (The block's RMSNorms computed inside the next projection's matvec kernel were measured slower,
+results/matvec_norm_cuda.json and matvec_pdl_cuda.json, with the code of commit c81decc, and removed.)
 
 For each: the bare replay's time per step (CUDA events, the median of `--rounds` rounds of `--steps`
 replays, the variants alternated round by round), and one profiled step: GPU time of the matrix products
@@ -24,7 +23,7 @@ replays, the variants alternated round by round), and one profiled step: GPU tim
 `roofline.py`'s: weight and KV bytes over the measured copy bandwidth.
 
     python benchmarks/matvec.py                  # a CUDA GPU: writes results/matvec_cuda.json
-    python benchmarks/matvec.py --sweep norm     # results/matvec_norm_cuda.json (pdl: matvec_pdl_cuda.json)
+    python benchmarks/matvec.py --sweep pdl      # results/matvec_pdl_cuda.json
 """
 
 from __future__ import annotations
@@ -45,53 +44,40 @@ from minillm.engine.cuda_graphs import DecodeGraphs
 
 DEFAULT = (4, 2, 8)  # (outputs, warps, vec) for every K: the first sweep's best at the 8B shape
 CANDIDATES = [(8, 4, 8), (4, 2, 16), (8, 2, 8), (4, 4, 8), (2, 2, 8)]
-NORM_CANDIDATES = [(4, 4, 8), (8, 4, 8), (8, 2, 8), (16, 4, 8), (4, 2, 8)]
 K_CLASSES = {"llama-1B": [2048, 8192], "llama-8B": [4096, 14336]}  # the layers' K: q/k/v, o, gate/up; down
 
 
 def variants(shape: str, sweep: str = "tiles") -> dict[str, dict]:
-    """The graphs to capture, by name: {"tiles": TILES_BY_K or None for cuBLAS, "norm": NORM_TILES_BY_K or None for
-    the norms apart, "pdl": programmatic dependent launch on}. "tiles": cuBLAS, the default tile everywhere, then
-    each K class of the shape with each candidate tile (the others at the default), norms apart. "norm": the norms
-    apart, inside with the table's tile, inside with each candidate (the norms feed q/k/v and gate/up, both of the
-    model's width). "pdl": the kernels launched with and without PDL (kernels/pdl.py), norms apart and inside."""
-    module = sys.modules["minillm.kernels.matvec"]
-    table, norm_table = list(module.TILES_BY_K), list(module.NORM_TILES_BY_K)
+    """The graphs to capture, by name: {"tiles": TILES_BY_K or None for cuBLAS, "pdl": programmatic dependent launch
+    on or off (absent: the kernels' own choice)}. "tiles": cuBLAS, the default tile everywhere, then each K class of
+    the shape with each candidate tile (the others at the default). "pdl": cuBLAS, the kernels without and with PDL
+    (kernels/pdl.py)."""
+    table = list(sys.modules["minillm.kernels.matvec"].TILES_BY_K)
     if sweep == "pdl":
-        return {"cublas": {"tiles": None, "norm": None, "pdl": False},
-                "pdl off": {"tiles": table, "norm": None, "pdl": False},
-                "pdl on": {"tiles": table, "norm": None, "pdl": True},
-                "pdl off, norm inside": {"tiles": table, "norm": norm_table, "pdl": False},
-                "pdl on, norm inside": {"tiles": table, "norm": norm_table, "pdl": True}}
-    if sweep == "norm":
-        out = {"cublas": {"tiles": None, "norm": None}, "norm apart": {"tiles": table, "norm": None},
-               "norm inside": {"tiles": table, "norm": norm_table}}
-        for tile in NORM_CANDIDATES:
-            out[f"norm inside {tile}"] = {"tiles": table, "norm": [(None, tile)]}
-        return out
-    out = {"cublas": {"tiles": None, "norm": None}, "matvec TILES_BY_K": {"tiles": table, "norm": None},
-           f"matvec {DEFAULT}": {"tiles": [(None, DEFAULT)], "norm": None}}
+        return {"cublas": {"tiles": None, "pdl": False}, "pdl off": {"tiles": table, "pdl": False},
+                "pdl on": {"tiles": table, "pdl": True}}
+    out = {"cublas": {"tiles": None}, "matvec TILES_BY_K": {"tiles": table},
+           f"matvec {DEFAULT}": {"tiles": [(None, DEFAULT)]}}
     for k in K_CLASSES[shape]:
         for tile in CANDIDATES:
-            out[f"matvec K={k}: {tile}"] = {"tiles": [(k - 1, DEFAULT), (k, tile), (None, DEFAULT)], "norm": None}
+            out[f"matvec K={k}: {tile}"] = {"tiles": [(k - 1, DEFAULT), (k, tile), (None, DEFAULT)]}
     return out
 
 
 def capture(model, cache, variant: dict, max_seq_len: int) -> DecodeGraphs:  # noqa: ANN001
-    """Batch-1 decode graphs of a `variants` entry: cuBLAS or the matvec kernel with its TILES_BY_K, the norms apart
-    or inside it with its NORM_TILES_BY_K, PDL on or off (default: the kernels' own choice); fixed at capture."""
+    """Batch-1 decode graphs of a `variants` entry: cuBLAS or the matvec kernel with its TILES_BY_K, PDL on or off;
+    fixed at capture."""
     module = sys.modules["minillm.kernels.matvec"]
-    saved = module.TILES_BY_K, module.NORM_TILES_BY_K
-    settings = {"MINILLM_MATVEC": "0" if variant["tiles"] is None else "1",
-                "MINILLM_MATVEC_NORM": "0" if variant["norm"] is None else "1"}
+    saved = module.TILES_BY_K
+    settings = {"MINILLM_MATVEC": "0" if variant["tiles"] is None else "1"}
     if "pdl" in variant:
         settings["MINILLM_PDL"] = "1" if variant["pdl"] else "0"
     os.environ.update(settings)
-    module.TILES_BY_K, module.NORM_TILES_BY_K = variant["tiles"] or saved[0], variant["norm"] or saved[1]
+    module.TILES_BY_K = variant["tiles"] or saved
     try:
         return DecodeGraphs(model, cache, max_batch=1, max_seq_len=max_seq_len)
     finally:
-        module.TILES_BY_K, module.NORM_TILES_BY_K = saved
+        module.TILES_BY_K = saved
         for name in settings:
             os.environ.pop(name)
 
@@ -135,8 +121,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--sweep", choices=["tiles", "norm", "pdl"], default="tiles")
-    parser.add_argument("--name", default=None, help="default matvec_cuda, or matvec_{norm,pdl}_cuda with --sweep")
+    parser.add_argument("--sweep", choices=["tiles", "pdl"], default="tiles")
+    parser.add_argument("--name", default=None, help="default matvec_cuda, or matvec_pdl_cuda with --sweep pdl")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/matvec.py needs a CUDA GPU.")
@@ -159,8 +145,7 @@ def main() -> None:
             profile = profile_steps(lambda g=g, t=tokens: g.run([0], t))
             replay = statistics.median(times[name])
             rows.append({"shape": shape, "variant": name, "tiles_by_k": tables[name]["tiles"],
-                         "norm_tiles_by_k": tables[name]["norm"], "pdl": tables[name].get("pdl"),
-                         "roofline_step_s": roofline,
+                         "pdl": tables[name].get("pdl"), "roofline_step_s": roofline,
                          "replay_s": replay, "replay_s_rounds": times[name], "replay_fraction": roofline / replay,
                          "matmul_us": profile["by_kind_us"].get("matmul", 0.0),
                          "kernels_per_step": profile["kernels_per_step"], "top_kernels_us": profile["top_kernels_us"],
@@ -171,8 +156,7 @@ def main() -> None:
         del graphs, model
         torch.cuda.empty_cache()
     path = write_results(args.name, {"benchmark": "batch-1 graph replay: cuBLAS against the matvec kernel's tiles"
-                                     + {"tiles": "", "norm": ", the norms apart or inside it",
-                                        "pdl": ", launched with programmatic dependent launch or not"}[args.sweep],
+                                     + {"tiles": "", "pdl": ", launched with PDL or not"}[args.sweep],
                                      "copy_bandwidth_bytes_per_s": bandwidth, "settings": vars(args), "rows": rows})
     print(f"written to {path}")
 

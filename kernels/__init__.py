@@ -40,10 +40,6 @@ and the batch-1 step (issue 30) its matrix-vector product, which the fused path 
     matvec(x, weight, bias, swiglu)               one row through a 16-bit linear layer, weights streamed
                                                   once (swiglu: silu(gate) * up computed as x is loaded)
     matvec_reference(...)                         F.linear (on silu_and_mul_reference(x) when swiglu)
-    add_rms_norm_matvec(delta, residual, norm_weight, weight)
-                                                  the block's residual add and RMSNorm computed inside the next
-                                                  layer's matvec: (layer output, new residual), one launch
-    add_rms_norm_matvec_reference(...)            fused_add_rms_norm_reference, then F.linear
     greedy_argmax(logits)                         each row's argmax and its log-probability, the vocabulary cut
                                                   into chunks (two launches, not PyTorch's four)
     greedy_reference(logits)                      argmax, and log_softmax at it, in PyTorch
@@ -80,13 +76,12 @@ import importlib.util
 from .lora_reference import add_lora_gathered, add_lora_reference
 from .paged_kv import gather_kv
 
-__all__ = ["add_lora", "add_lora_gathered", "add_lora_reference", "add_rms_norm_matvec",
-           "add_rms_norm_matvec_reference", "attention_reference", "attention_varlen_reference", "decode_attention",
-           "decode_attention_reference", "flash_attention", "flash_attention_varlen", "fused_add_rms_norm",
-           "fused_add_rms_norm_reference", "fused_rotary", "fused_rotary_reference", "gather_kv", "greedy_argmax",
-           "greedy_reference", "matvec", "matvec_reference", "paged_decode_attention",
-           "paged_decode_attention_reference", "silu_and_mul", "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack",
-           "w4a16_reference"]
+__all__ = ["add_lora", "add_lora_gathered", "add_lora_reference",
+           "attention_reference", "attention_varlen_reference", "decode_attention", "decode_attention_reference",
+           "flash_attention", "flash_attention_varlen", "fused_add_rms_norm", "fused_add_rms_norm_reference",
+           "fused_rotary", "fused_rotary_reference", "gather_kv", "greedy_argmax", "greedy_reference", "matvec",
+           "matvec_reference", "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul",
+           "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -105,7 +100,7 @@ if TRITON_AVAILABLE:
     )
     from .greedy import greedy_argmax, greedy_reference
     from .lora import add_lora
-    from .matvec import add_rms_norm_matvec, add_rms_norm_matvec_reference, matvec, matvec_reference
+    from .matvec import matvec, matvec_reference
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference
     from .swiglu import silu_and_mul, silu_and_mul_reference

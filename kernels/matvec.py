@@ -43,7 +43,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .pdl import gdc_launch_dependents, gdc_wait, launch_options, use_pdl
-from .rmsnorm import fused_add_rms_norm_reference
 from .swiglu import silu_and_mul_reference
 
 # The kernel's tile by the layer's inputs K: (outputs a program, warps a program, consecutive weights a thread
@@ -56,13 +55,9 @@ TILES_BY_K: list[tuple[int | None, tuple[int, int, int]]] = [
     (2048, (4, 4, 8)), (4096, (4, 2, 8)), (8192, (4, 4, 8)), (None, (4, 2, 8))]
 
 
-# The same for `add_rms_norm_matvec`, whose programs also read the row twice from L2 (residual and norm weight too).
-NORM_TILES_BY_K: list[tuple[int | None, tuple[int, int, int]]] = list(TILES_BY_K)
-
-
-def tile_for(K: int, table: list | None = None) -> tuple[int, int, int]:
-    """(block_n, num_warps, vec) for a layer of K inputs, from `table` (default TILES_BY_K)."""
-    return next(tile for bound, tile in (TILES_BY_K if table is None else table) if bound is None or K <= bound)
+def tile_for(K: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, vec) for a layer of K inputs, from TILES_BY_K."""
+    return next(tile for bound, tile in TILES_BY_K if bound is None or K <= bound)
 
 
 def matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -73,17 +68,15 @@ def matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @triton.jit
-def _matvec_kernel(X, W, BIAS, OUT, N, K, stride_wn, R, NORM_W, NEW_R, eps,
+def _matvec_kernel(X, W, BIAS, OUT, N, K, stride_wn,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SWIGLU: tl.constexpr, NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+                   SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     """Program p: outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of y = W x, BLOCK_K inputs a step.
     EVEN: N a multiple of BLOCK_N and K of BLOCK_K (no masks). SWIGLU: x = silu(X[:K]) * X[K:2K].
-    NORM: x = RMSNorm(X + R) * NORM_W, and program 0 writes X + R to NEW_R (see `add_rms_norm_matvec`).
     PDL: launched with programmatic dependent launch (kernels/pdl.py): the first weights load before the wait."""
     if PDL:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
     row_ok = rows[:, None] < N
@@ -92,19 +85,8 @@ def _matvec_kernel(X, W, BIAS, OUT, N, K, stride_wn, R, NORM_W, NEW_R, eps,
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=row_ok & (cols[None, :] < K), other=0.0)
-    if PDL:  # x (and the residual) are the kernel before's output
+    if PDL:  # x is the kernel before's output
         gdc_wait()
-    rstd = 1.0
-    if NORM:  # a first pass over the row while the first weights travel: its sum of squares, as fused_add_rms_norm
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = k + cols < K
-            delta = tl.load(X + k + cols, mask=k_ok, other=0.0)
-            h = (delta.to(tl.float32) + tl.load(R + k + cols, mask=k_ok, other=0.0).to(tl.float32)).to(delta.dtype)
-            if pid == 0:  # the new residual stream, written once
-                tl.store(NEW_R + k + cols, h, mask=k_ok)
-            squares += h.to(tl.float32) * h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     for k in range(0, K, BLOCK_K):
         w = w_next
         if EVEN:  # the next step's weights travel while this step multiplies (none past the end)
@@ -121,11 +103,6 @@ def _matvec_kernel(X, W, BIAS, OUT, N, K, stride_wn, R, NORM_W, NEW_R, eps,
             else:  # the CPU interpreter
                 silu = g / (1.0 + tl.exp(-g))
             x = (silu.to(gate_raw.dtype).to(tl.float32) * up).to(gate_raw.dtype).to(tl.float32)
-        elif NORM:  # RMSNorm(X + R) * NORM_W, rounded step for step as fused_add_rms_norm rounds it
-            delta = tl.load(X + k + cols, mask=k_ok, other=0.0)
-            h = (delta.to(tl.float32) + tl.load(R + k + cols, mask=k_ok, other=0.0).to(tl.float32)).to(delta.dtype)
-            scale = tl.load(NORM_W + k + cols, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((h.to(tl.float32) * rstd).to(delta.dtype).to(tl.float32) * scale).to(delta.dtype).to(tl.float32)
         else:
             x = tl.load(X + k + cols, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
@@ -140,56 +117,6 @@ def _interpreted() -> bool:
     return not isinstance(_matvec_kernel, triton.runtime.JITFunction)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, what: str,
-           others: tuple[torch.Tensor, ...] = ()) -> None:
-    """The checks both entry points share: x one row [..., K] (gate_up [..., 2K] with swiglu), weight [N, K],
-    one dtype for all, CUDA."""
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("matvec takes a tensor x [..., K] and a weight [N, K] (nn.Linear's layout).")
-    width = weight.shape[1] * (2 if swiglu else 1)
-    if x.dim() == 0 or x.numel() != x.shape[-1] or x.shape[-1] != width:
-        raise ValueError(f"matvec multiplies one row: x must be [..., {width}] with every other dim 1 "
-                         f"(weight {tuple(weight.shape)}{what}), "
-                         f"got {tuple(x.shape)}. Use F.linear (or matvec_reference) for several rows.")
-    dtypes = [t.dtype for t in (x, weight, bias, *others) if t is not None]
-    if len(set(dtypes)) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x, weight, bias (and the norm's tensors) must share one dtype of float16, bfloat16 or "
-                         f"float32, got {', '.join(str(d) for d in dtypes)}.")
-    if x.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"matvec needs CUDA tensors, got {x.device}. Move them with .cuda(), set "
-                         "TRITON_INTERPRET=1 before importing triton, or call matvec_reference.")
-
-
-def _row(x: torch.Tensor) -> torch.Tensor:
-    """A one-row tensor [..., K] as a contiguous [K]."""
-    row = x.reshape(-1)
-    return row if row.stride(0) == 1 else row.contiguous()
-
-
-def _launch(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool,
-            norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None, tiles: list,
-            block_n: int | None, num_warps: int | None) -> torch.Tensor:
-    """Run the kernel on a contiguous row [K] (gate_up [2K] with swiglu) -> [N]; norm (residual [K], norm weight
-    [K], new residual [K] to write, eps) or None."""
-    N, K = weight.shape
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    out = torch.empty(N, dtype=row.dtype, device=row.device)
-    default_n, default_warps, vec = tile_for(K, tiles)
-    block_n = default_n if block_n is None else block_n
-    num_warps = default_warps if num_warps is None else num_warps
-    block_k = min(vec * 32 * num_warps, triton.next_power_of_2(K))
-    pdl = use_pdl(row)
-    options = {} if _interpreted() else {"num_warps": num_warps, **launch_options(pdl)}
-    residual, norm_weight, new_residual, eps = norm if norm is not None else (row, row, row, 0.0)
-    _matvec_kernel[(triton.cdiv(N, block_n),)](
-        row, weight, weight if bias is None else bias, out, N, K, weight.stride(0),
-        residual, norm_weight, new_residual, float(eps),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=N % block_n == 0 and K % block_k == 0, HAS_BIAS=bias is not None,
-        SWIGLU=swiglu, NORM=norm is not None, LIBDEVICE=not _interpreted(), PDL=pdl, **options,
-    )
-    return out
-
-
 def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
            block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """One row through a linear layer in one Triton kernel: x [..., K] holding a single row -> [..., N].
@@ -198,46 +125,34 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     or fp32 dtype, the result in it too. swiglu: x is gate_up [..., 2K] and the layer reads silu(gate) * up
     (see the module docstring). block_n and num_warps override the tile of `tile_for` (for sweeps).
     """
-    _check(x, weight, bias, swiglu, ", swiglu: gate then up" if swiglu else "")
-    out = _launch(_row(x), weight, bias, swiglu, None, TILES_BY_K, block_n, num_warps)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def add_rms_norm_matvec_reference(
-    delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-    bias: torch.Tensor | None = None, eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition of `add_rms_norm_matvec`: (F.linear(RMSNorm(delta + residual) * norm_weight, weight, bias),
-    delta + residual)."""
-    h, new_residual = fused_add_rms_norm_reference(delta, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), new_residual
-
-
-def add_rms_norm_matvec(
-    delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-    bias: torch.Tensor | None = None, eps: float = 1e-6, block_n: int | None = None, num_warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's residual add and RMSNorm fused into the linear layer after it, for one row, in one kernel.
-
-    delta, residual [..., K] one row each (the stream not yet added, as `Block.forward_fused` carries it),
-    norm_weight [K], weight [N, K], bias [N] or None, all one dtype -> (y [..., N], delta + residual [..., K]):
-    y = weight @ (RMSNorm(delta + residual) * norm_weight) + bias, rounded as `fused_add_rms_norm` then the layer.
-
-    `fused_add_rms_norm` writes the normalised row to memory for the layer to read back, one launch. Here every
-    program reads delta and residual twice instead (a first pass for the sum of squares while its first weights
-    are in flight, then the product), from the L2 cache, and program 0 writes the new residual: one launch per
-    norm fewer, two a block (chapter 05 measures it).
-    """
-    if not all(isinstance(t, torch.Tensor) for t in (delta, residual, norm_weight, weight)):
-        raise ValueError("add_rms_norm_matvec takes tensors delta, residual, norm_weight and weight.")
-    if delta.shape != residual.shape:
-        raise ValueError(f"delta and residual must have one shape, got {tuple(delta.shape)} and "
-                         f"{tuple(residual.shape)}.")
-    _check(delta, weight, bias, False, ", after an RMSNorm", (residual, norm_weight))
-    if norm_weight.shape != (weight.shape[1],):
-        raise ValueError(f"norm_weight must be [K] = [{weight.shape[1]}], the layer's inputs, got "
-                         f"{tuple(norm_weight.shape)}.")
-    new_residual = torch.empty_like(delta)
-    norm = (_row(residual), norm_weight.contiguous(), new_residual.view(-1), eps)
-    out = _launch(_row(delta), weight, bias, False, norm, NORM_TILES_BY_K, block_n, num_warps)
-    return out.view(*delta.shape[:-1], weight.shape[0]), new_residual
+    width = 2 * weight.shape[-1] if swiglu and weight.dim() == 2 else weight.shape[-1]
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("matvec takes a tensor x [..., K] and a weight [N, K] (nn.Linear's layout).")
+    if x.dim() == 0 or x.numel() != x.shape[-1] or x.shape[-1] != width:
+        raise ValueError(f"matvec multiplies one row: x must be [..., {width}] with every other dim 1 "
+                         f"(weight {tuple(weight.shape)}{', swiglu: gate then up' if swiglu else ''}), "
+                         f"got {tuple(x.shape)}. Use F.linear (or matvec_reference) for several rows.")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype) or x.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x, weight and bias must share one dtype of float16, bfloat16 or float32, got "
+                         f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}.")
+    if x.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"matvec needs CUDA tensors, got {x.device}. Move them with .cuda(), set "
+                         "TRITON_INTERPRET=1 before importing triton, or call matvec_reference.")
+    N, K = weight.shape
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    row = x.reshape(-1)
+    row = row if row.stride(0) == 1 else row.contiguous()
+    out = torch.empty(N, dtype=x.dtype, device=x.device)
+    default_n, default_warps, vec = tile_for(K)
+    block_n = default_n if block_n is None else block_n
+    num_warps = default_warps if num_warps is None else num_warps
+    block_k = min(vec * 32 * num_warps, triton.next_power_of_2(K))
+    pdl = use_pdl(row)
+    options = {} if _interpreted() else {"num_warps": num_warps, **launch_options(pdl)}
+    _matvec_kernel[(triton.cdiv(N, block_n),)](
+        row, weight, weight if bias is None else bias, out, N, K, weight.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=N % block_n == 0 and K % block_k == 0, HAS_BIAS=bias is not None,
+        SWIGLU=swiglu, LIBDEVICE=not _interpreted(), PDL=pdl, **options,
+    )
+    return out.view(*x.shape[:-1], N)

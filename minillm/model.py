@@ -196,14 +196,8 @@ class Attention(nn.Module):
                 cache: CacheView | None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]. `rope`: the (cos, sin) tables [B, 1, T, head_dim] or, on the fused path,
         the positions (`RotaryPositions`). `mask` [B, 1, T, S] bool (True = may attend), None or CAUSAL."""
-        return self.attend(linear(self.qkv_proj, x), rope, mask, cache)
-
-    def attend(self, qkv: torch.Tensor, rope: Rope, mask: torch.Tensor | str | None,
-               cache: CacheView | None) -> torch.Tensor:
-        """`forward` after the q/k/v projection: qkv [B, T, q_size + 2 kv_size] -> [B, T, dim]. (`Block.forward_fused`
-        calls it with a projection that its RMSNorm's kernel computed.)"""
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        B, T, _ = x.shape
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -292,14 +286,6 @@ def _triton_kernels_run(x: torch.Tensor) -> bool:
     )
 
 
-def _matvec_takes(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether layer(x) may run as `minillm.kernels.matvec`: a single row of 16-bit x on the fused path
-    (`use_fused_kernels`) through a plain `nn.Linear` of its dtype without hooks, and not MINILLM_MATVEC=0."""
-    return (x.numel() == x.shape[-1] and type(layer) is nn.Linear and x.dtype in (torch.float16, torch.bfloat16)
-            and layer.weight.dtype == x.dtype and not layer._forward_hooks and not layer._forward_pre_hooks
-            and use_fused_kernels(x) and os.environ.get("MINILLM_MATVEC", "1") != "0")
-
-
 def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
     """layer(x) (layer(silu(gate) * up) with swiglu, x then being gate_up [..., 2F]): x [..., K] -> [..., N].
 
@@ -308,7 +294,9 @@ def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Ten
     reductions) and silu(gate) * up computed as it loads x (chapter 05); MINILLM_MATVEC=0 turns it off.
     Anything else (several rows, quantised or LoRA layers, hooks, the CPU) runs as written.
     """
-    if _matvec_takes(layer, x):
+    if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and x.dtype in (torch.float16, torch.bfloat16)
+            and layer.weight.dtype == x.dtype and not layer._forward_hooks and not layer._forward_pre_hooks
+            and use_fused_kernels(x) and os.environ.get("MINILLM_MATVEC", "1") != "0"):
         from minillm.kernels import matvec
 
         return matvec(x, layer.weight, layer.bias, swiglu=swiglu)
@@ -317,24 +305,6 @@ def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Ten
 
         x = silu_and_mul(x)
     return layer(x)
-
-
-def norm_linear(norm: RMSNorm, layer: nn.Module, delta: torch.Tensor,
-                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer(norm(delta + residual)), delta + residual) on the fused path: delta, residual [..., K] -> ([..., N],
-    [..., K]). The residual add and the norm are one kernel (`minillm.kernels.fused_add_rms_norm`), then `linear`;
-    for a single row that the matrix-vector kernel takes, all three are one kernel
-    (`minillm.kernels.add_rms_norm_matvec`, chapter 05), unless MINILLM_MATVEC_NORM=0.
-    """
-    if (_matvec_takes(layer, delta) and type(norm) is RMSNorm and norm.weight.dtype == delta.dtype
-            and os.environ.get("MINILLM_MATVEC_NORM", "1") != "0"):
-        from minillm.kernels import add_rms_norm_matvec
-
-        return add_rms_norm_matvec(delta, residual, norm.weight, layer.weight, layer.bias, norm.eps)
-    from minillm.kernels import fused_add_rms_norm
-
-    h, residual = fused_add_rms_norm(delta, residual, norm.weight, norm.eps)
-    return linear(layer, h), residual
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
@@ -483,17 +453,17 @@ class Block(nn.Module):
         The block's input is residual + delta [B, T, dim] each, not yet added; so is its output, returned
         as (delta, residual): the MLP's output and the stream before it. One kernel adds and normalises
         (`minillm.kernels.fused_add_rms_norm`), where `forward` reads and writes the stream in several; and the
-        MLP's silu(gate) * up is one kernel (`minillm.kernels.silu_and_mul`) instead of two. For a single row
-        the matrix-vector kernels take in both (`norm_linear`, `linear`): the norm is computed inside the next
-        projection's kernel, silu(gate) * up inside the down projection's.
-        The sublayers' parts are called directly, not the `self_attn` and `mlp` modules: hooks on those two do
-        not run on this path (hooks on their linear layers do: those layers then run as written).
+        MLP's silu(gate) * up is one kernel (`minillm.kernels.silu_and_mul`) instead of two, or for a single
+        row none: the down projection's matrix-vector kernel computes it as it reads it (`linear`).
         """
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, delta, residual)
-        delta = attn.attend(qkv, rope, mask, cache)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, delta, residual)
-        return linear(mlp.down_proj, gate_up, swiglu=True), residual
+        from minillm.kernels import fused_add_rms_norm
+
+        h, residual = fused_add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        delta = self.self_attn(h, rope, mask, cache)
+        h, residual = fused_add_rms_norm(delta, residual, self.post_attention_layernorm.weight,
+                                         self.post_attention_layernorm.eps)
+        mlp = self.mlp  # silu(gate) * up: one kernel of its own, or computed inside a single row's down projection
+        return linear(mlp.down_proj, linear(mlp.gate_up_proj, h), swiglu=True), residual
 
 
 def attention_mask(

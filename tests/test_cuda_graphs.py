@@ -235,6 +235,35 @@ def test_graphs_give_the_eager_tokens(dtype):
 
 
 @cuda_only
+def test_kernels_launched_with_pdl_give_the_same_logits(monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py) lets a kernel start before the one before it ends; each of ours
+    waits before reading that one's output. A kernel that read too early would read stale activations: graphs
+    captured with PDL (where the GPU has it) must give the logits of graphs captured without, bit for bit, at batch 1
+    (the matrix-vector kernels) and 3, step after step."""
+    pdl = sys.modules["minillm.kernels.pdl"]
+    t = torch.zeros(1, device="cuda")
+    monkeypatch.setenv("MINILLM_PDL", "0")
+    assert not pdl.use_pdl(t) and not pdl.use_pdl(t.cpu())
+    monkeypatch.delenv("MINILLM_PDL")
+    assert pdl.use_pdl(t) == (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None)
+    model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
+    prompts = [list(range(3, 3 + n)) for n in (7, 30, 16)]
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MINILLM_PDL", flag)
+        cache = PagedKVCache(model.config, 64, 16, device="cuda", dtype=model.dtype)
+        graphs = DecodeGraphs(model, cache, max_batch=4)
+        nxt, logits = prefill(model, cache, prompts), []
+        for rows in ([0], [0], [0, 1, 2], [0, 1, 2], [1]):
+            logits.append(graphs.run(rows, [nxt[i] for i in rows]))
+            for i, token in zip(rows, logits[-1].argmax(-1).tolist()):
+                nxt[i] = token
+        runs.append(logits)
+    for step, (with_pdl, without) in enumerate(zip(*runs)):
+        assert torch.equal(with_pdl, without), f"step {step}"
+
+
+@cuda_only
 def test_graph_replay_matches_the_eager_step_and_generate_uses_it(monkeypatch):
     model, tok = minillm.load("shakespeare-1m", device="cuda", dtype=torch.float32)
     cache = PagedKVCache(model.config, 64, 16, device="cuda", dtype=model.dtype)
