@@ -494,11 +494,15 @@ def test_paged_decode_attention_shared_blocks_and_any_split(num_splits):
     assert_close(got, decode_attention_reference(q, k, v, lengths), torch.float32, f"{num_splits} splits, shared")
 
 
-def test_paged_decode_attention_cuts_each_rows_own_length_into_the_chunks():
+@pytest.mark.parametrize("combine_block_s", [16, 2])
+def test_paged_decode_attention_cuts_each_rows_own_length_into_the_chunks(combine_block_s, monkeypatch):
     """Chunks are cut from each row's length, not from the launch's key range: block tables far wider than the rows
     (a CUDA graph's range: 1,024 keys), their extra columns pointing at a block full of NaN, many splits, rows of
-    70, 33 and 1 keys. Every key is read once and no key past a row's end is read."""
+    70, 33 and 1 keys. Every key is read once and no key past a row's end is read. The combine reads a row's chunks
+    only, COMBINE_BLOCK_S a step: 2 makes it take several steps."""
     from minillm.kernels import paged_decode_attention
+
+    monkeypatch.setattr(sys.modules["minillm.kernels.decode_attention"], "COMBINE_BLOCK_S", combine_block_s)
 
     q, k, v = random_decode(3, 4, 2, 70, 32, torch.float32, seed=11)
     lengths = [70, 33, 1]
