@@ -2,24 +2,28 @@
 
 A CUDA graph takes the CPU out of the decode step, but the GPU still runs its kernels one after the other: the
 next kernel's programs are placed on the SMs only once the last program of the one before has exited and its
-writes are flushed. Measured in the batch-1 graph of Llama-3.2-1B's shape on an H200 (152 kernels a step,
-results/engine_step_profile_cuda_greedy.json), the GPU sat idle for about 1.1 us between kernels: 169 of the
-step's 1,200 us. Each kernel also starts with its first loads in flight and nothing else to do.
+writes are flushed. Each kernel starts with its first loads in flight and nothing else to do, and ends with its
+last programs finishing while most SMs wait. In the batch-1 graph of Llama-3.2-1B's shape (152 kernels a step),
+an H200 under torch.profiler sat idle for about 1.1 us between kernels (results/engine_step_profile_cuda_greedy.json).
 
 Hopper (sm_90) and later GPUs let a kernel launched with the PDL attribute (Triton: `launch_pdl=True`) begin
 as soon as every program of the kernel before it has called `gdc_launch_dependents` (or exited), before that
-kernel has finished. Such a kernel must call `gdc_wait` before it reads anything the kernel before wrote, or
-writes anything that kernel reads: the wait returns once the kernel before has finished and its writes are
-visible. What it does before the wait must depend on nothing earlier kernels write, such as loading weights.
+kernel has finished. Such a kernel must call `gdc_wait` before it reads anything an earlier kernel wrote, and
+before it writes anything an earlier kernel may still read: the wait returns once the kernel before has finished
+and its writes are visible (and, every program of every such kernel waiting before it exits, every kernel before
+that one too). What it does before the wait must depend on nothing earlier kernels write, such as loading weights.
 
 minillm's kernels of the batch-1 decode step (`matvec`, `fused_add_rms_norm`, `fused_rotary`, and the decode
 attention's two) each take `PDL` as a compile-time flag and, with it, signal their dependents first thing, then
-wait before their first read of activations (the matrix-vector kernel starts its first weight loads before it
-waits). A kernel launched after one that never signals (cuBLAS, PyTorch's) simply starts when that one ends,
-as without PDL.
+wait before their first read of activations (the matrix-vector kernel's first weights, the norm's weight and
+rotary's frequencies load before the wait; decode attention's two wait at once). A kernel launched after one
+that never signals (cuBLAS, PyTorch's) simply starts when that one ends, as without PDL.
+
+Measured (H200, results/matvec_pdl_cuda.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
+0.908 ms at Llama-3.2-1B's shape and 4.482 -> 4.305 ms at Llama-3-8B's, about 0.6 us per kernel at both.
 
 `use_pdl(t)`: launch with PDL on t's device? CUDA, compute capability 9 or more, a Triton that has the
-instructions, and not MINILLM_PDL=0 (benchmarks/matvec.py --sweep pdl measures it both ways).
+instructions, and not MINILLM_PDL=0.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import os
 
 import torch
 
-try:  # Triton 3.4+: the griddepcontrol instructions
+try:  # a Triton with the griddepcontrol instructions (3.6 and 3.9 have them)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # older Triton: no PDL (kernels read these names only under PDL=True)
     gdc_launch_dependents = gdc_wait = None

@@ -294,7 +294,7 @@ def linear(layer: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Ten
     reductions) and silu(gate) * up computed as it loads x (chapter 05); MINILLM_MATVEC=0 turns it off.
     Anything else (several rows, quantised or LoRA layers, hooks, the CPU) runs as written.
     """
-    if (x.numel() == x.shape[-1] and type(layer) is nn.Linear and x.dtype in (torch.float16, torch.bfloat16)
+    if (x.dtype in (torch.float16, torch.bfloat16) and x.numel() == x.shape[-1] and type(layer) is nn.Linear
             and layer.weight.dtype == x.dtype and not layer._forward_hooks and not layer._forward_pre_hooks
             and use_fused_kernels(x) and os.environ.get("MINILLM_MATVEC", "1") != "0"):
         from minillm.kernels import matvec
