@@ -15,7 +15,7 @@ Llama-3-8B's shapes (random bf16 weights, a 512-token context):
 
 `--sweep pdl` compares, instead, minillm's kernels launched with programmatic dependent launch (kernels/pdl.py)
 and without. (The block's RMSNorms computed inside the next projection's matvec kernel were measured slower,
-results/matvec_norm_cuda.json and matvec_pdl_cuda.json, with the code of commit c81decc, and removed.)
+results/matvec_cuda_norm.json and matvec_cuda_pdl.json, with the code of commit c81decc, and removed.)
 
 For each: the bare replay's time per step (CUDA events, the median of `--rounds` rounds of `--steps`
 replays, the variants alternated round by round), and one profiled step: GPU time of the matrix products
@@ -23,7 +23,7 @@ replays, the variants alternated round by round), and one profiled step: GPU tim
 `roofline.py`'s: weight and KV bytes over the measured copy bandwidth.
 
     python benchmarks/matvec.py                  # a CUDA GPU: writes results/matvec_cuda.json
-    python benchmarks/matvec.py --sweep pdl      # results/matvec_pdl_cuda.json
+    python benchmarks/matvec.py --sweep pdl      # results/matvec_cuda_pdl.json
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sweep", choices=["tiles", "pdl"], default="tiles")
-    parser.add_argument("--name", default=None, help="default matvec_cuda, or matvec_pdl_cuda with --sweep pdl")
+    parser.add_argument("--name", default=None, help="default matvec_cuda, or matvec_cuda_pdl with --sweep pdl")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/matvec.py needs a CUDA GPU.")
-    args.name = args.name or {"tiles": "matvec_cuda"}.get(args.sweep, f"matvec_{args.sweep}_cuda")
+    args.name = args.name or {"tiles": "matvec_cuda"}.get(args.sweep, f"matvec_cuda_{args.sweep}")
     bandwidth, _ = copy_bandwidth()
     rows = []
     for shape in args.shapes:

@@ -19,7 +19,7 @@ wait before their first read of activations (the matrix-vector kernel's first we
 rotary's frequencies load before the wait; decode attention's two wait at once). A kernel launched after one
 that never signals (cuBLAS, PyTorch's) simply starts when that one ends, as without PDL.
 
-Measured (H200, results/matvec_pdl_cuda.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
+Measured (H200, results/matvec_cuda_pdl.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
 0.908 ms at Llama-3.2-1B's shape and 4.482 -> 4.305 ms at Llama-3-8B's, about 0.6 us per kernel at both.
 
 `use_pdl(t)`: launch with PDL on t's device? CUDA, compute capability 9 or more, a Triton that has the
