@@ -22,14 +22,24 @@ that never signals (cuBLAS, PyTorch's) simply starts when that one ends, as with
 Measured (H200, results/matvec_cuda_pdl.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
 0.908 ms at Llama-3.2-1B's shape and 4.482 -> 4.305 ms at Llama-3-8B's, about 0.6 us per kernel at both.
 
-`use_pdl(t)`: launch with PDL on t's device? CUDA, compute capability 9 or more, a Triton that has the
-instructions, and not MINILLM_PDL=0.
+Only inside `launches()`, which `minillm.engine.cuda_graphs.DecodeGraphs` wraps around its warm-up and capture.
+A kernel's loads before its wait are safe only if the kernel launched just before it cannot be writing what they
+read. In the model's decode step that holds: the kernel before one of ours is a kernel of the step (embedding,
+cuBLAS, ours), and none of them writes weights, norm scales or frequencies. A kernel called on its own, right
+after the weights were made on the GPU (`torch.randn(..., device="cuda").bfloat16()` in a test, say), could race
+with that conversion; outside `launches()` our kernels launch as before.
+
+`use_pdl(t)`: launch with PDL on t's device? Inside `launches()`, CUDA, compute capability 9 or more, a Triton
+that has the instructions, and not MINILLM_PDL=0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -38,7 +48,19 @@ try:  # a Triton with the griddepcontrol instructions (3.6 and 3.9 have them)
 except ImportError:  # older Triton: no PDL (kernels read these names only under PDL=True)
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "use_pdl"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "launches", "use_pdl"]
+
+_state = threading.local()  # .depth: how many `launches()` this thread is inside
+
+
+@contextlib.contextmanager
+def launches() -> Iterator[None]:
+    """Within: minillm's kernels launch with PDL where `use_pdl` allows (see the module docstring for why only here)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 @functools.cache
@@ -48,7 +70,8 @@ def _capable(index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether minillm's kernels on t's device launch with programmatic dependent launch (see the module)."""
-    return (t.is_cuda and gdc_wait is not None and os.environ.get("MINILLM_PDL", "1") != "0"
+    return (getattr(_state, "depth", 0) > 0 and t.is_cuda and gdc_wait is not None
+            and os.environ.get("MINILLM_PDL", "1") != "0"
             and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 

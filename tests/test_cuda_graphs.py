@@ -237,15 +237,19 @@ def test_graphs_give_the_eager_tokens(dtype):
 @cuda_only
 def test_kernels_launched_with_pdl_give_the_same_logits(monkeypatch):
     """Programmatic dependent launch (kernels/pdl.py) lets a kernel start before the one before it ends; each of ours
-    waits before reading that one's output. A kernel that read too early would read stale activations: graphs
-    captured with PDL (where the GPU has it) must give the logits of graphs captured without, bit for bit, at batch 1
-    (the matrix-vector kernels) and 3, step after step."""
+    waits before reading that one's output. Only DecodeGraphs' warm-up and capture ask for it. A kernel that read
+    too early would race with the one writing its input: graphs captured with PDL (where the GPU has it) must give
+    the logits of graphs captured without, bit for bit, at batch 1 (the matrix-vector kernels) and 3, step after
+    step."""
     pdl = sys.modules["minillm.kernels.pdl"]
     t = torch.zeros(1, device="cuda")
-    monkeypatch.setenv("MINILLM_PDL", "0")
-    assert not pdl.use_pdl(t) and not pdl.use_pdl(t.cpu())
+    assert not pdl.use_pdl(t), "outside DecodeGraphs' warm-up and capture (`launches()`): no PDL"
+    with pdl.launches():
+        assert pdl.use_pdl(t) == (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None)
+        assert not pdl.use_pdl(t.cpu())
+        monkeypatch.setenv("MINILLM_PDL", "0")
+        assert not pdl.use_pdl(t)
     monkeypatch.delenv("MINILLM_PDL")
-    assert pdl.use_pdl(t) == (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None)
     model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
     prompts = [list(range(3, 3 + n)) for n in (7, 30, 16)]
     runs = []

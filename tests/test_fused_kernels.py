@@ -409,14 +409,19 @@ def test_matvec_rejects_bad_inputs(monkeypatch):
 
 
 def test_pdl_is_asked_for_on_cuda_only_and_can_be_turned_off(monkeypatch):
-    """kernels/pdl.py: no programmatic dependent launch for CPU tensors (the interpreter) or with MINILLM_PDL=0, and
-    the launch keyword only when asked for. (On a GPU, tests/test_cuda_graphs.py checks the logits with and without.)"""
+    """kernels/pdl.py: no programmatic dependent launch for CPU tensors (the interpreter) or with MINILLM_PDL=0, even
+    inside `launches()`, and the launch keyword only when asked for. (On a GPU, tests/test_cuda_graphs.py checks
+    that only graphs use it, and the logits with and without.)"""
     pdl = sys.modules["minillm.kernels.pdl"]
-    assert not pdl.use_pdl(torch.zeros(2))
+    with pdl.launches():
+        assert not pdl.use_pdl(torch.zeros(2)), "CPU tensors: never"
+        with pdl.launches():
+            pass
+        if CUDA:
+            monkeypatch.setenv("MINILLM_PDL", "0")
+            assert not pdl.use_pdl(torch.zeros(2, device="cuda"))
+    assert pdl._state.depth == 0, "launches() undoes itself, nested too"
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
-    if CUDA:
-        monkeypatch.setenv("MINILLM_PDL", "0")
-        assert not pdl.use_pdl(torch.zeros(2, device="cuda"))
 
 
 @cuda_only

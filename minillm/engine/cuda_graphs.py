@@ -251,6 +251,13 @@ class DecodeGraphs:
     def _capture(self) -> None:
         """Record one graph per size, largest first, all in one memory pool (a smaller graph reuses the
         larger one's scratch memory: only one replays at a time)."""
+        from minillm.kernels.pdl import launches
+
+        with launches():  # minillm's kernels start before the one before them ends (chapter 05; kernels/pdl.py)
+            self._record()
+
+    def _record(self) -> None:
+        """`_capture`'s warm-up and recording."""
         start = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream()
