@@ -41,6 +41,7 @@ from collections import defaultdict
 import torch
 from common import write_results
 from decode_attention import copy_bandwidth
+from overlap_timeline import merge
 
 import minillm
 from minillm import arithmetic
@@ -99,7 +100,12 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_steps(fn, n: int = 5) -> dict:  # noqa: ANN001
-    """Run fn() n times under torch.profiler: GPU kernel time per step by kind, kernels per step, wall per step."""
+    """Run fn() n times under torch.profiler: GPU kernel time per step by kind, kernels per step, wall per step.
+
+    gpu_busy: the share of the wall time when any kernel ran. Kernels that overlap (launched with programmatic
+    dependent launch, kernels/pdl.py, a kernel counts from its start, waiting included) count once there, but
+    each in full in the per-kind and per-kernel times, which may then add up to more than the step. (Results
+    before 27 Nov 2026 computed gpu_busy from that sum: the same while no two kernels overlapped.)"""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -112,17 +118,20 @@ def profile_steps(fn, n: int = 5) -> dict:  # noqa: ANN001
         wall = (time.perf_counter() - start) / n
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
-    kernels = 0
+    kernels, intervals = 0, []
     for event in prof.events():
         if event.device_type.name != "CUDA":
             continue
         us = event.device_time if hasattr(event, "device_time") else event.cuda_time
         by_kind[kernel_kind(event.name)] += us / n
         by_name[event.name[:80]] += us / n
+        intervals.append((event.time_range.start, event.time_range.end))
         kernels += 1
     gpu = sum(by_kind.values())
+    busy = sum(end - begin for begin, end in merge(intervals)) / n
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-    return {"wall_us": wall * 1e6, "gpu_kernel_us": gpu, "gpu_busy": gpu / (wall * 1e6) if wall else 0.0,
+    return {"wall_us": wall * 1e6, "gpu_kernel_us": gpu, "gpu_busy_us": busy,
+            "gpu_busy": busy / (wall * 1e6) if wall else 0.0,
             "kernels_per_step": kernels / n, "by_kind_us": dict(by_kind), "top_kernels_us": dict(top)}
 
 

@@ -69,3 +69,17 @@ def test_gqa_quality_writes_a_row_per_kv_head_count(monkeypatch, tmp_path):
     assert result["rows"][0]["val_ppl_converted"] == result["shipped_val_ppl"]
     assert result["rows"][1]["kv_cache_bytes_per_token_bf16"] * 2 == result["rows"][0]["kv_cache_bytes_per_token_bf16"]
     assert result["uptraining_vs_pretraining"]["uptrain_tokens"] == 2 * 1 * 32
+
+
+def test_busy_time_counts_overlapping_kernels_once(monkeypatch):
+    """The profiles' GPU busy time (roofline.py, engine_step_profile.py, overlap_timeline.py) is the union of the
+    kernels' intervals: kernels that overlap, as under programmatic dependent launch, count once."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("overlap_timeline", None)
+    from overlap_timeline import merge
+
+    spans = [(5.0, 9.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0), (6.0, 7.0)]
+    assert merge(spans) == [(0.0, 4.0), (5.0, 9.0)]
+    assert sum(end - start for start, end in merge(spans)) == 8.0  # against 11 summed kernel by kernel
+    assert merge([]) == []
+
