@@ -40,8 +40,9 @@ def main() -> None:
         run_minillm(model, requests[:8], 8, 2048, **flag)  # warm-up: compile the kernels, allocate
         ours = run_minillm(model, requests, 256, 8192, **flag)
         steps = ours.pop("steps")
-        roof = roofline_seconds(model.config, steps, roofline_gpu())  # as engine_throughput.py computes it
-        ours.update(roofline_gpu=roofline_gpu(), roofline_seconds=roof, fraction_of_roofline=roof / ours["seconds"])
+        gpu = roofline_gpu()
+        roof = roofline_seconds(model.config, steps, gpu)  # as engine_throughput.py computes it
+        ours.update(roofline_gpu=gpu, roofline_seconds=roof, fraction_of_roofline=roof / ours["seconds"])
         with_prompts = [s for s in steps if s["prefill_tokens"]]
         ours.update(mode=mode, mean_decode_batch=statistics.fmean(s["decode_tokens"] for s in steps),
                     num_steps=len(steps), prefill_steps=len(with_prompts),

@@ -13,7 +13,7 @@ before it writes anything an earlier kernel may still read: the wait returns onc
 and its writes are visible (and, every program of every such kernel waiting before it exits, every kernel before
 that one too). What it does before the wait must depend on nothing earlier kernels write, such as loading weights.
 
-minillm's kernels of the batch-1 decode step (`matvec`, `fused_add_rms_norm`, `fused_rotary`, and the decode
+minillm's kernels of the decode step (`matvec`, `fused_add_rms_norm`, `fused_rotary`, and the decode
 attention's two) each take `PDL` as a compile-time flag and, with it, signal their dependents first thing, then
 wait before their first read of activations (the matrix-vector kernel's first weights, the norm's weight and
 rotary's frequencies load before the wait; decode attention's two wait at once). A kernel launched after one
