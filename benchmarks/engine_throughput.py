@@ -38,6 +38,7 @@ from common import write_results
 import minillm
 from minillm import arithmetic
 from minillm.engine import LLM
+from minillm.engine.model_runner import StepTokens
 from minillm.sampling import SamplingParams
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -75,9 +76,10 @@ def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[t
 
 
 def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: float = 0.0,  # noqa: ANN001
-                async_scheduling: bool | None = None) -> dict:
+                async_scheduling: bool | None = None, wrap=None) -> dict:  # noqa: ANN001
     """`LLM.generate`'s engine over the requests, stepped here to record each step; async_scheduling None: the
-    engine's default (on, on a GPU)."""
+    engine's default (on, on a GPU). wrap(i, step): called instead of the i-th `step()` (0-based), returning its
+    outputs (a profiler around chosen calls: `engine_throughput_ab.py --profile-calls`)."""
     longest = max(len(p) + n for p, n in requests)
     kwargs = {} if async_scheduling is None else {"async_scheduling": async_scheduling}
     llm = LLM(model, None, num_blocks=max_num_seqs * arithmetic.kv_blocks(longest, 16), max_num_seqs=max_num_seqs,
@@ -90,11 +92,22 @@ def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: fl
     if "finished_only" in inspect.signature(engine.step).parameters:
         step = functools.partial(engine.step, finished_only=True)
     steps, outputs = [], {}
+    waited = [0.0]  # seconds inside StepTokens.read (waiting for a step's tokens, then unpacking them): per call
+    read = StepTokens.read
+
+    def timed_read(self):  # noqa: ANN001, ANN202
+        begin = time.perf_counter()
+        try:
+            return read(self)
+        finally:
+            waited[0] += time.perf_counter() - begin
+
+    StepTokens.read = timed_read
     sync()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        called = time.perf_counter()
-        for out in step():
+        called, waited[0] = time.perf_counter(), 0.0
+        for out in (step() if wrap is None else wrap(len(steps), step)):
             if out.finished:
                 outputs[out.request_id] = out
         plan = engine.last_step
@@ -105,13 +118,17 @@ def run_minillm(model, requests, max_num_seqs: int, budget: int, temperature: fl
         # only a synchronous run splits the time exactly between steps.
         steps.append({"prefill_tokens": plan.num_prefill_tokens, "decode_tokens": plan.num_decode_tokens,
                       "mean_context": statistics.fmean(contexts) if contexts else 0,
-                      "seconds": time.perf_counter() - called})
+                      "seconds": time.perf_counter() - called, "read_seconds": waited[0]})
     sync()
     seconds = time.perf_counter() - start
+    StepTokens.read = read
     n_out = sum(len(outputs[i].token_ids) for i in ids)
     assert n_out == sum(n for _, n in requests), "every request must generate exactly its output length"
+    # CUDA graphs are captured as the engine starts (since 27 Nov 2026; before, at its first decode step, inside
+    # the timed run): the capture's seconds, outside `seconds`, reported beside it.
+    capture = engine.graphs.capture_seconds if engine.graphs is not None else None
     return {"seconds": seconds, "output_tokens": n_out, "output_tokens_per_s": n_out / seconds, "steps": steps,
-            "first_tokens": [outputs[i].token_ids[:8] for i in ids[:4]]}
+            "graph_capture_seconds": capture, "first_tokens": [outputs[i].token_ids[:8] for i in ids[:4]]}
 
 
 def roofline_gpu() -> str:

@@ -143,6 +143,7 @@ def engine_tokens(model, prompts, cuda_graphs, max_num_seqs=8, kv_cache_dtype="a
                   **params):
     engine = LLMEngine(model, num_blocks=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                        cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
+    assert (engine.graphs is not None) == cuda_graphs, "graphs are captured as the engine starts, before any step"
     sp = SamplingParams(**{"temperature": 0, "max_tokens": 24, "ignore_eos": True, **params})
     ids = [engine.add_request(None, p, sp) for p in prompts]
     finished = engine.run()

@@ -127,8 +127,8 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's budgets (see
             `minillm.engine.scheduler.Scheduler`).
         enable_prefix_caching: reuse cached full blocks of earlier prompts (chapter 04).
-        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured at the
-            first decode step for every batch size up to max_num_seqs. Default: on wherever they can run
+        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured here,
+            as the engine starts, for every batch size up to max_num_seqs. Default: on wherever they can run
             (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
             capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
             forwards score several tokens per row).
@@ -242,8 +242,8 @@ class LLMEngine:
 
     @property
     def graphs(self) -> DecodeGraphs | None:
-        """The captured decode graphs (`minillm.engine.cuda_graphs.DecodeGraphs`), None until the first decode
-        step or when running eagerly."""
+        """The captured decode graphs (`minillm.engine.cuda_graphs.DecodeGraphs`, captured as the engine starts),
+        or the compiled CPU step (None until the first decode step), or None when running eagerly."""
         return self.model_runner.graphs
 
     @classmethod

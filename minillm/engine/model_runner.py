@@ -130,10 +130,11 @@ class ModelRunner:
     Args:
         model, cache: the model and the paged KV cache its sequences live in.
         max_num_seqs: the most rows of a step (the largest CUDA graph captured).
-        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured at
-            the first decode step. None: wherever they can run (a CUDA model, Triton, no sliding window);
-            True where they cannot raises a ValueError saying why. If capture fails, the runner logs why
-            and runs eagerly.
+        cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured here,
+            when the runner is built (about a second at Llama-3.2-1B's shape and 35 batch sizes, paid at
+            start-up rather than by the first step that decodes, as vLLM does). None: wherever they can run (a
+            CUDA model, Triton, no sliding window); True where they cannot raises a ValueError saying why. If
+            capture fails, the runner logs why and runs eagerly.
         no_graphs_reason: a reason of the caller's to run eagerly (the engine's: speculative decoding).
         compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
             (`DecodeGraphs(capture=False, compile=True)`): the CPU's counterpart of CUDA graphs, compiled at
@@ -161,8 +162,10 @@ class ModelRunner:
         # Prompt chunks packed in one row (`packed_forward`), where the model and the group allow it.
         self.packed_prompts = tp is None and model.config.sliding_window is None
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
-        self.graphs: DecodeGraphs | None = None  # captured (or compiled) at the first decode step
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs: captured now; the compiled CPU step: at first use
         self.lora: Any = None  # the LoRASlots of the model's LoRALinear layers (chapter 08), once an adapter is added
+        if self.use_cuda_graphs:
+            self._decode_graphs()
 
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
@@ -210,7 +213,7 @@ class ModelRunner:
         return torch.cat(results).index_select(0, to_device(order, torch.long, results[0].device))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """The captured decode graphs, capturing them on first use; None when the runner runs eagerly."""
+        """The decode graphs, captured (or compiled) on first use; None when the runner runs eagerly."""
         if self.graphs is None and self.compile_decode:
             self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs, capture=False, compile=True)
         if self.graphs is None and self.use_cuda_graphs:
