@@ -234,7 +234,7 @@ class PagedKVCache:
         keep_blocks = cdiv(num_tokens, bs)
         for block in reversed(table.block_ids[keep_blocks:]):
             self.allocator.free(block)
-        del table.block_ids[keep_blocks:]
+        table.block_ids = table.block_ids[:keep_blocks]  # a new list: DecodeGraphs rewrites the row of a new one
         del table.token_ids[num_tokens:]
         full = num_tokens // bs
         if len(table.block_hashes) > full:
