@@ -387,7 +387,13 @@ class DecodeGraphs:
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
         self.cache.allocate_slots(seq_ids, [1] * len(seq_ids))
         size, width = self.fill_inputs(seq_ids, token_ids)
-        self.inputs[:size, :width].copy_(self.staging[:size, :width], non_blocking=True)
+        if self.copied is not None:
+            # Whole rows: [:size] of a row-major buffer is one contiguous block, which leaves pinned memory by DMA
+            # while the host goes on. A slice of columns is not contiguous: PyTorch would first copy it into
+            # ordinary (pageable) memory, and a copy from there may make the host wait for the GPU's queue.
+            self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        else:
+            self.inputs[:size, :width].copy_(self.staging[:size, :width])
         if self.copied is not None:
             self.copied.record()
         if previous is not None:
