@@ -360,9 +360,14 @@ def test_task_7_a_quantised_paged_cache_hands_codes_and_scales_to_the_paged_kern
 
 def test_task_7_the_engine_captures_cuda_graphs_for_a_quantised_cache_too(monkeypatch):
     monkeypatch.setattr("minillm.engine.model_runner.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
+    from minillm.engine import cuda_graphs, model_runner
+
+    # The engine captures as it starts: here its buffers are built, without a GPU to record on.
+    monkeypatch.setattr(model_runner, "DecodeGraphs", lambda *a, **k: cuda_graphs.DecodeGraphs(*a, **k, capture=False))
     model = Transformer(TINY)
     for d in KV_CACHE_DTYPES:
-        assert LLMEngine(model, num_blocks=8, kv_cache_dtype=d).use_cuda_graphs
+        engine = LLMEngine(model, num_blocks=8, kv_cache_dtype=d)
+        assert engine.use_cuda_graphs and engine.graphs is not None
     DecodeGraphs(Transformer(TINY), PagedKVCache(TINY, 4, 4, kv_cache_dtype="int8"), max_batch=1, capture=False)
 
 

@@ -123,7 +123,12 @@ def test_a_kv_pool_too_small_for_the_load_shows_in_the_preemption_count():
 
 def test_build_engine_turns_each_flag_into_the_engine_setting(monkeypatch):
     monkeypatch.setattr("minillm.engine.model_runner.graphs_unavailable", lambda model: None)  # as on a CUDA GPU
-    assert build_engine(MODEL).use_cuda_graphs, "by default decode steps would be captured"
+    from minillm.engine import cuda_graphs, model_runner
+
+    # The engine captures as it starts: here its buffers are built, without a GPU to record on.
+    monkeypatch.setattr(model_runner, "DecodeGraphs", lambda *a, **k: cuda_graphs.DecodeGraphs(*a, **k, capture=False))
+    engine = build_engine(MODEL)
+    assert engine.use_cuda_graphs and engine.graphs is not None, "by default decode steps are captured"
     assert not build_engine(MODEL, enforce_eager=True).use_cuda_graphs, "--enforce-eager"
     engine = build_engine(MODEL, dtype="bfloat16", block_size=8, enable_prefix_caching=False, max_num_seqs=4,
                           kv_cache_memory_bytes=2**20, speculative_model="[ngram]", num_speculative_tokens=2)

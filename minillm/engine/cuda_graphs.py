@@ -228,6 +228,9 @@ class DecodeGraphs:
         # The rows the staging buffer holds from the last step: seq_id -> (its row, its table's block list, the
         # tokens its table held after that step). `fill_inputs` keeps these rows instead of rewriting them.
         self.kept_rows: dict[Hashable, tuple[int, list[int], int]] = {}
+        # A step's used columns, packed contiguously: on the host (pinned), then on the device (see `run`).
+        self.packed_host = torch.empty(self.staging.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.packed = torch.empty(self.staging.numel(), dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of `staging`
         self.pad_block = cache.allocator.allocate()
         self.pad_row = [0, 0, self.pad_block * bs, 1, self.pad_block]  # token 0 at position 0 in the pad block
@@ -324,15 +327,16 @@ class DecodeGraphs:
         then its block table. Rows up to the padded size are padding rows; columns past a row's last block
         keep stale values, which no kernel reads (each row reads only the blocks its length covers).
 
-        The buffer keeps its rows from one step to the next (vLLM's "persistent batch"). A sequence that was in
-        the last step with the same block list, and has not grown since but for that step's token, keeps its
-        row: the rows move to this step's order in one numpy gather, and only four numbers per row change (the
-        token, its position, slot and length) plus the block the new token goes to, which may be new (every
-        block_size steps) or a copy (copy-on-write of a shared block). Only a sequence new to the batch has its
-        whole table written. At 256 rows of about 60 blocks, that writes about 1,300 numbers a step instead of
-        17,000 (`benchmarks/engine_host_step.py` measures the host's time). A table's list of blocks changes in
-        place only by appending and by copy-on-write of the block being written; `PagedKVCache.truncate` and
-        `add_sequence` make a new list, so that a kept row is never stale.
+        The buffer keeps its rows from one step to the next (the idea of vLLM's "persistent batch"). A sequence
+        that was in the last step with the same block list, and has not grown since but for that step's token,
+        keeps its row: the rows move to this step's order in one numpy gather, and only four numbers per row
+        change (the token, its position, slot and length) plus the block the new token goes to, which may be new
+        (every block_size steps) or a copy (copy-on-write of a shared block). Only a sequence new to the batch
+        has its whole table written. At 256 rows of 37 blocks (contexts of about 590 tokens), that writes about
+        1,300 numbers a step instead of about 10,800 (`benchmarks/engine_host_step.py` measures the host's time).
+        A table's list of blocks changes in place only by appending and by copy-on-write of the block being
+        written; `PagedKVCache.truncate` and `add_sequence` make a new list, so that a kept row is never stale.
+        Any new code that edits a table's blocks in place must keep to that, or make a new list.
         """
         size = padded_batch_size(len(seq_ids), self.sizes)
         tables = [self.cache.block_tables[seq_id] for seq_id in seq_ids]
@@ -353,7 +357,7 @@ class DecodeGraphs:
                 source.append(0)
                 fresh.append(b)
         if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy has left the staging buffer
+            self.copied.synchronize()  # the previous step's copy has left the pinned buffer (`run` refills it)
         if source != list(range(n)):
             staging[:n, :width] = staging[source, :width]  # the kept rows in this step's order (a copy, then a write)
         for b in fresh:
@@ -387,15 +391,18 @@ class DecodeGraphs:
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
         self.cache.allocate_slots(seq_ids, [1] * len(seq_ids))
         size, width = self.fill_inputs(seq_ids, token_ids)
-        if self.copied is not None:
-            # Whole rows: [:size] of a row-major buffer is one contiguous block, which leaves pinned memory by DMA
-            # while the host goes on. A slice of columns is not contiguous: PyTorch would first copy it into
-            # ordinary (pageable) memory, and a copy from there may make the host wait for the GPU's queue.
-            self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
-        else:
-            self.inputs[:size, :width].copy_(self.staging[:size, :width])
+        # The used columns cross to the device as one contiguous block: packed on the host (pinned), one DMA while
+        # the host goes on, then spread into the graph's buffer by a copy on the device. staging[:size, :width]
+        # itself is not contiguous, and PyTorch would first copy it into ordinary (pageable) memory, a copy that
+        # may make the host wait for the GPU's queue; whole rows would be contiguous, but a row is as wide as the
+        # longest context the graphs allow (8,197 numbers at 131,072 tokens).
+        host = self.packed_host[: size * width].view(size, width)
+        host.numpy()[:] = self.staging_np[:size, :width]
+        packed = self.packed[: size * width].view(size, width)
+        packed.copy_(host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        self.inputs[:size, :width].copy_(packed)
         if previous is not None:
             swap_inflight(self.inputs[:size, TOKEN], previous)
         if self.capture:
