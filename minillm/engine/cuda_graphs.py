@@ -231,7 +231,7 @@ class DecodeGraphs:
         # A step's used columns, packed contiguously: on the host (pinned), then on the device (see `run`).
         self.packed_host = torch.empty(self.staging.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.packed = torch.empty(self.staging.numel(), dtype=torch.int64, device=device)
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of `staging`
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy out of `packed_host`
         self.pad_block = cache.allocator.allocate()
         self.pad_row = [0, 0, self.pad_block * bs, 1, self.pad_block]  # token 0 at position 0 in the pad block
         self.inputs[:, : TABLE + 1] = torch.tensor(self.pad_row)
@@ -356,8 +356,6 @@ class DecodeGraphs:
             else:
                 source.append(0)
                 fresh.append(b)
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy has left the pinned buffer (`run` refills it)
         if source != list(range(n)):
             staging[:n, :width] = staging[source, :width]  # the kept rows in this step's order (a copy, then a write)
         for b in fresh:
@@ -396,6 +394,8 @@ class DecodeGraphs:
         # itself is not contiguous, and PyTorch would first copy it into ordinary (pageable) memory, a copy that
         # may make the host wait for the GPU's queue; whole rows would be contiguous, but a row is as wide as the
         # longest context the graphs allow (8,197 numbers at 131,072 tokens).
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the pinned buffer
         host = self.packed_host[: size * width].view(size, width)
         host.numpy()[:] = self.staging_np[:size, :width]
         packed = self.packed[: size * width].view(size, width)
