@@ -20,13 +20,11 @@ import argparse
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
 from common import write_results
 from engine_throughput import LLAMA_1B, make_requests, random_llama_1b, roofline_gpu, roofline_seconds, run_minillm
-from overlap_timeline import merge
-from roofline import kernel_kind
+from roofline import gpu_kernels
 
 
 def profiled_calls(calls: set[int], into: dict[int, dict]):  # noqa: ANN201 - run_minillm's wrap
@@ -42,18 +40,7 @@ def profiled_calls(calls: set[int], into: dict[int, dict]):  # noqa: ANN201 - ru
             outputs = step()
             torch.cuda.synchronize()
             wall_us = (time.perf_counter() - start) * 1e6
-        by_kind: dict[str, float] = defaultdict(float)
-        by_name: dict[str, float] = defaultdict(float)
-        intervals = []
-        for event in prof.events():
-            if event.device_type.name != "CUDA":
-                continue
-            by_kind[kernel_kind(event.name)] += event.device_time
-            by_name[event.name[:80]] += event.device_time
-            intervals.append((event.time_range.start, event.time_range.end))
-        busy = sum(end - begin for begin, end in merge(intervals))
-        into[i] = {"wall_us": wall_us, "gpu_busy_us": busy, "kernels": len(intervals), "by_kind_us": dict(by_kind),
-                   "top_kernels_us": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:12])}
+        into[i] = {"wall_us": wall_us, **gpu_kernels(prof.events(), top=12)}
         return outputs
 
     return wrap
@@ -120,7 +107,7 @@ def main() -> None:
             kinds = ", ".join(f"{k.split(' ')[0]} {v / 1e3:.1f}" for k, v in sorted(p["by_kind_us"].items()))
             print(f"call {i}: {s['prefill_tokens']} prompt + {s['decode_tokens']} decode tokens: wall "
                   f"{p['wall_us'] / 1e3:.1f} ms, GPU busy {p['gpu_busy_us'] / 1e3:.1f} ms, roofline "
-                  f"{p['roofline_us'] / 1e3:.2f} ms, {p['kernels']} kernels ({kinds} ms)")
+                  f"{p['roofline_us'] / 1e3:.2f} ms, {p['kernels']:.0f} kernels ({kinds} ms)")
             for name, us in list(p["top_kernels_us"].items())[:6]:
                 print(f"      {us / 1e3:7.2f} ms  {name}")
     path = write_results(args.name, {"benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, "

@@ -116,23 +116,28 @@ def profile_steps(fn, n: int = 5) -> dict:  # noqa: ANN001
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / n
+    kernels = gpu_kernels(prof.events(), n)
+    busy = kernels["gpu_busy_us"]
+    return {"wall_us": wall * 1e6, "gpu_kernel_us": sum(kernels["by_kind_us"].values()), "gpu_busy_us": busy,
+            "gpu_busy": busy / (wall * 1e6) if wall else 0.0, "kernels_per_step": kernels["kernels"],
+            "by_kind_us": kernels["by_kind_us"], "top_kernels_us": kernels["top_kernels_us"]}
+
+
+def gpu_kernels(events, n: int = 1, top: int = 10) -> dict:  # noqa: ANN001 - torch.profiler's events
+    """The GPU side of a profile of n steps, per step: kernels, busy microseconds (overlapping intervals counted
+    once), microseconds by kind (`kernel_kind`) and the `top` kernels by name (each kernel in full)."""
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
-    kernels, intervals = 0, []
-    for event in prof.events():
+    intervals = []
+    for event in events:
         if event.device_type.name != "CUDA":
             continue
         us = event.device_time if hasattr(event, "device_time") else event.cuda_time
         by_kind[kernel_kind(event.name)] += us / n
         by_name[event.name[:80]] += us / n
         intervals.append((event.time_range.start, event.time_range.end))
-        kernels += 1
-    gpu = sum(by_kind.values())
-    busy = sum(end - begin for begin, end in merge(intervals)) / n
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-    return {"wall_us": wall * 1e6, "gpu_kernel_us": gpu, "gpu_busy_us": busy,
-            "gpu_busy": busy / (wall * 1e6) if wall else 0.0,
-            "kernels_per_step": kernels / n, "by_kind_us": dict(by_kind), "top_kernels_us": dict(top)}
+    return {"kernels": len(intervals) / n, "gpu_busy_us": sum(end - begin for begin, end in merge(intervals)) / n,
+            "by_kind_us": dict(by_kind), "top_kernels_us": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def eager_steps(model, batch: int, context: int, steps: int) -> dict:  # noqa: ANN001
