@@ -255,14 +255,15 @@ def _interpreted() -> bool:
 # GPU launch settings: keys per tile, warps, pipeline stages; chosen by the sweep in
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
-# A paged batch that fills the GPU by itself (B x H_kv >= TARGET_PROGRAMS, one chunk a sequence): smaller programs,
-# 32 keys a tile and 2 warps (our guess at why: more of them fit on each SM at once; not measured). Measured at
-# one point, in the engine's own graph step (benchmarks/roofline.py, H200, Llama-3.2-1B shape, paged 16-token
-# blocks, context 768, batch 144; results/roofline_cuda_batch144_ab_*.json): the kernel's time per step
-# 1.37 -> 1.10 ms, the replay 2.60 -> 2.33 ms. At batch 64 (two chunks a sequence; ad hoc, no results file) the
-# same settings were 7% slower on the 1B shape and 10% faster on the 8B shape's heads: with one shape worse,
-# batches below a full wave keep the settings above.
-GPU_FULL_BATCH_BLOCK_N, GPU_FULL_BATCH_WARPS = 32, 2
+# A paged batch of serving size (B x H_kv >= SERVING_PROGRAMS, half a wave of TARGET_PROGRAMS or more; bf16/fp16,
+# head_dim <= 128): a tile of head_dim keys and head_dim / 32 warps, each warp loading 32 keys' worth of one tile.
+# Swept where a throughput run spends its attention time (benchmarks/decode_attention_serving.py, H200, rows of
+# 100-2048 keys drawn uniformly, a graph's 131,072-key range, results/decode_attention_serving_cuda*.json): with
+# head_dim 64 (Llama-3.2-1B) 55.7 -> 50.4 us a call at B=64, 127.6 -> 99.0 at B=144, 205.2 -> 164.3 at B=256; with
+# head_dim 128 (Llama-3-8B) 103.9 -> 88.4, 217.9 -> 167.6 and 341.8 -> 277.8. It replaced 32 keys and 2 warps from
+# B x H_kv >= TARGET_PROGRAMS, chosen at one point where every row held 768 keys (roofline.py's batch 144): there,
+# and only there, 32 keys stay ahead (65.6 against 73.0 us in the same sweep). Serving batches are ragged.
+SERVING_PROGRAMS = 512
 INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
 # A chunk holds at least this many tiles of keys. It binds only where B x H_kv is far from filling the GPU and the
@@ -369,11 +370,10 @@ def _launch(
         lengths = lengths.to(device=q.device, dtype=torch.int32)
     scale = D**-0.5 if scale is None else float(scale)
     group = H // H_kv
-    # a paged bf16/fp16 batch of one wave of programs with one chunk each (as measured: see GPU_FULL_BATCH_*)
-    full_batch = (B * H_kv >= TARGET_PROGRAMS and block_tables is not None and kv_scales is None and block_n is None
-                  and num_splits is None and not _interpreted())
-    BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else
-                          GPU_FULL_BATCH_BLOCK_N if full_batch else GPU_BLOCK_N)
+    # a paged bf16/fp16 batch of serving size: head_dim keys a tile, head_dim / 32 warps (as measured: SERVING_*)
+    serving = (B * H_kv >= SERVING_PROGRAMS and block_tables is not None and kv_scales is None and block_n is None
+               and num_splits is None and D <= 128 and not _interpreted())
+    BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else max(32, D) if serving else GPU_BLOCK_N)
     if kv_scales is not None and not block_n and not _interpreted() and B * H_kv * S >= 16384:
         # 8-bit codes: twice the keys per tile moves the bytes per load of 16 bits. H100, Llama-3-8B heads
         # (results/kv_quant_decode_cuda.json, int8): 1.11-1.25x over bf16 pools from B=16 or L=4096 on, against
@@ -386,7 +386,7 @@ def _launch(
     splits = triton.cdiv(S, chunk)
     upcast = _interpreted() and q.dtype == torch.bfloat16  # (8-bit codes are converted to q's dtype in the kernel)
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    warps = GPU_FULL_BATCH_WARPS if full_batch else GPU_WARPS
+    warps = max(1, D // 32) if serving else GPU_WARPS
     pdl = use_pdl(q)
     launch = {} if _interpreted() else {"num_warps": warps, "num_stages": GPU_STAGES, **launch_options(pdl)}
 

@@ -731,16 +731,17 @@ def test_cuda_paged_decode_attention_bf16_at_real_lengths():
 
 
 @cuda_only
-def test_cuda_paged_decode_attention_at_a_batch_that_fills_the_gpu():
-    """144 sequences x 8 KV heads: a full wave of programs, launched with the full batch's smaller tiles and fewer
-    warps (`GPU_FULL_BATCH_*`); lengths from 1 key to past 768, with a key range far past them all, as the
-    engine's graphs give it."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_paged_decode_attention_at_a_serving_batch(head_dim):
+    """144 sequences x 8 KV heads: a serving batch, launched with head_dim keys a tile and head_dim / 32 warps
+    (`SERVING_PROGRAMS`); lengths from 1 key to past 768, with a key range far past them all, as the engine's
+    graphs give it."""
     from minillm.kernels import paged_decode_attention
 
     decode_module = sys.modules["minillm.kernels.decode_attention"]  # (the package's name of it is its function)
     B, H, H_kv, S = 144, 32, 8, 800
-    assert B * H_kv >= decode_module.TARGET_PROGRAMS  # the case under test
-    q, k, v = random_decode(B, H, H_kv, S, 64, torch.bfloat16, device="cuda")
+    assert B * H_kv >= decode_module.SERVING_PROGRAMS  # the case under test
+    q, k, v = random_decode(B, H, H_kv, S, head_dim, torch.bfloat16, device="cuda")
     lengths = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(B)).tolist()
     lengths[:2] = [1, S]
     k_pool, v_pool, tables = scatter_into_pool(k, v, lengths, 16)
