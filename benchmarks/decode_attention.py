@@ -58,6 +58,17 @@ def copy_bandwidth() -> tuple[float, float]:
     return nbytes / kernel_ms * 1e3, nbytes / graph_time_ms([lambda: y.copy_(x)] * 10) * 1e3
 
 
+def start_on_gpu(script: str, on_cpu: str) -> float:
+    """Exit saying what runs on a CPU instead (`on_cpu`) unless a CUDA GPU is here; else warm it up, then measure,
+    print and return its copy bandwidth (bytes read + written per second, `copy_bandwidth`'s kernel figure)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"benchmarks/{script} needs a CUDA GPU; on a CPU, {on_cpu}")
+    warm_up_gpu()
+    copy_gbs, _ = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s", flush=True)
+    return copy_gbs
+
+
 def capture(calls: list) -> tuple[torch.cuda.CUDAGraph, int]:
     """The calls captured in one CUDA graph (after running them once outside it to compile and warm up)."""
     stream = torch.cuda.Stream()

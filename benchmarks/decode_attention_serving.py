@@ -23,7 +23,7 @@ import sys
 
 import torch
 from common import write_results
-from decode_attention import ROTATE_BYTES, capture, check, copy_bandwidth, time_graphs, warm_up_gpu
+from decode_attention import ROTATE_BYTES, capture, check, start_on_gpu, time_graphs
 
 from minillm.arithmetic import cdiv
 
@@ -117,12 +117,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--name", default="decode_attention_serving_cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/decode_attention_serving.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
-                 "paged kernel through Triton's interpreter.")
-    warm_up_gpu()
-    copy_gbs, _ = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s", flush=True)
+    copy_gbs = start_on_gpu("decode_attention_serving.py",
+                            "tests/test_kernels.py runs the paged kernel through Triton's interpreter.")
     results = []
     for B in args.batches:
         rows = sweep_batch(B, args)

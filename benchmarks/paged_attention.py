@@ -22,11 +22,10 @@ the reference first.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 from common import write_results
-from decode_attention import ROTATE_BYTES, capture, check, copy_bandwidth, must_read, time_graphs, warm_up_gpu
+from decode_attention import ROTATE_BYTES, capture, check, must_read, start_on_gpu, time_graphs
 
 from minillm.arithmetic import cdiv
 
@@ -107,12 +106,8 @@ def main() -> None:
     parser = decode_shapes_parser(__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/paged_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
-                 "paged kernel through Triton's interpreter.")
-    warm_up_gpu()
-    copy_gbs, _ = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs / 1e9:.0f} GB/s", flush=True)
+    copy_gbs = start_on_gpu("paged_attention.py",
+                            "tests/test_kernels.py runs the paged kernel through Triton's interpreter.")
     rows = []
     for L in args.seqlens:
         for B in args.batches:
