@@ -255,14 +255,15 @@ def _interpreted() -> bool:
 # GPU launch settings: keys per tile, warps, pipeline stages; chosen by the sweep in
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
-# A paged batch of serving size (B x H_kv >= SERVING_PROGRAMS, half a wave of TARGET_PROGRAMS or more; bf16/fp16,
+# A paged batch of serving size (B x H_kv >= SERVING_PROGRAMS, about half a wave of TARGET_PROGRAMS; bf16/fp16,
 # head_dim <= 128): a tile of head_dim keys and head_dim / 32 warps, each warp loading 32 keys' worth of one tile.
 # Swept where a throughput run spends its attention time (benchmarks/decode_attention_serving.py, H200, rows of
 # 100-2048 keys drawn uniformly, a graph's 131,072-key range, results/decode_attention_serving_cuda*.json): with
 # head_dim 64 (Llama-3.2-1B) 55.7 -> 50.4 us a call at B=64, 127.6 -> 99.0 at B=144, 205.2 -> 164.3 at B=256; with
-# head_dim 128 (Llama-3-8B) 103.9 -> 88.4, 217.9 -> 167.6 and 341.8 -> 277.8. It replaced 32 keys and 2 warps from
-# B x H_kv >= TARGET_PROGRAMS, chosen at one point where every row held 768 keys (roofline.py's batch 144): there,
-# and only there, 32 keys stay ahead (65.6 against 73.0 us in the same sweep). Serving batches are ragged.
+# head_dim 128 (Llama-3-8B) 103.9 -> 88.4, 217.9 -> 167.6 and 341.8 -> 277.8 (the largest tile swept at each size).
+# It replaced 64 keys and 4 warps from SERVING_PROGRAMS, and 32 keys and 2 warps from TARGET_PROGRAMS, chosen at one
+# point where every row held 768 keys (roofline.py's batch 144). In a sweep of the same session with 768 keys each,
+# 32 keys stay ahead there (65.6 against 73.0 us at 144 rows; behind at 256). Serving batches are ragged.
 SERVING_PROGRAMS = 512
 INTERPRETER_BLOCK_N = 32
 TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one full wave of loads in flight
