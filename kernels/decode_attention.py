@@ -256,7 +256,7 @@ def _interpreted() -> bool:
 # benchmarks/decode_attention.py on an H100 (bf16, head_dim 128, GQA 8:1).
 GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
 # A paged batch of serving size (B x H_kv >= SERVING_PROGRAMS, about half a wave of TARGET_PROGRAMS; bf16/fp16,
-# head_dim <= 128): a tile of head_dim keys and head_dim / 32 warps, each warp loading 32 keys' worth of one tile.
+# head_dim <= 128): a tile of head_dim keys and head_dim / 32 warps (one warp per 32 keys of the tile).
 # Swept where a throughput run spends its attention time (benchmarks/decode_attention_serving.py, H200, rows of
 # 100-2048 keys drawn uniformly, a graph's 131,072-key range, results/decode_attention_serving_cuda*.json): with
 # head_dim 64 (Llama-3.2-1B) 55.7 -> 50.4 us a call at B=64, 127.6 -> 99.0 at B=144, 205.2 -> 164.3 at B=256; with
