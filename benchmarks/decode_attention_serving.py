@@ -19,6 +19,7 @@ configurations replayed in turn. Every configuration is checked against the refe
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -59,14 +60,9 @@ def must_move(q: torch.Tensor, k_pool: torch.Tensor, lens: torch.Tensor) -> int:
 
 
 def configs(args: argparse.Namespace) -> list[tuple]:
-    """(block_n, warps, stages, splits); None, None, None, None: the kernel's own choice."""
-    out: list[tuple] = [(None, None, None, None)]
-    for block_n in args.block_n:
-        for warps in args.warps:
-            for stages in args.stages:
-                for splits in args.splits:
-                    out.append((block_n, warps, stages, splits))
-    return out
+    """(block_n, warps, stages, splits) for every combination swept, after (None, None, None, None): the kernel's
+    own choice."""
+    return [(None, None, None, None), *itertools.product(args.block_n, args.warps, args.stages, args.splits)]
 
 
 def sweep_batch(B: int, args: argparse.Namespace) -> list[dict]:  # noqa: N803

@@ -125,7 +125,7 @@ def profile_steps(fn, n: int = 5) -> dict:  # noqa: ANN001
 
 def gpu_kernels(events, n: int = 1, top: int = 10) -> dict:  # noqa: ANN001 - torch.profiler's events
     """The GPU side of a profile of n steps, per step: kernels, busy microseconds (overlapping intervals counted
-    once), microseconds by kind (`kernel_kind`) and the `top` kernels by name (each kernel in full)."""
+    once), microseconds by kind (`kernel_kind`) and the `top` kernels by name (names cut to 80 characters)."""
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
     intervals = []
