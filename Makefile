@@ -7,7 +7,15 @@
 # CI sets TORCH=torch==2.13.0.
 #
 # `make test` runs the unit tests and, under nbval, every notebook of the chapters book.yml marks
-# written (`python -m minillm.book notebooks` lists them).
+# written (`python -m minillm.book notebooks` lists them). Then it runs the tests and notebooks that compare
+# two ways of computing the same thing (tests/conftest.py's COMPARES_PATHS) a second time on another of
+# PyTorch's CPU code paths (ATEN_CPU_CAPABILITY: AVX2 where this CPU has AVX-512, else the plain one), so a
+# comparison that holds bit for bit only on this CPU fails here, not on a reader's laptop.
+#
+# Both commands first install the Debian packages they use, where they can (as root, or with sudo):
+# `make test` needs Chromium (the web book in a browser), bubblewrap (the grader's sandbox) and npm
+# (MathJax for the web book); `make book` needs npm. Where they cannot, they stop and print the command
+# to type. SYSTEM_PACKAGES=skip goes on without them (their tests then skip, each with its reason).
 #
 # `make book` runs copies of the chapters and solutions in _build/ and builds the web book from them;
 # the notebooks in chapters/ and solutions/ are only read, so a clone stays clean. Runs are cached in
@@ -30,8 +38,49 @@ JOBS   ?= 2
 # oversubscribe them, and an OpenMP thread waiting for a busy core stalls a whole matmul: measured 20-50x
 # slower on this book's 2-core machine, enough to time out a notebook cell. One thread each avoids it.
 TEST_THREADS ?= 1
+SYSTEM_PACKAGES ?= install
 
-.PHONY: setup test book notebooks lab lint bench clean
+.PHONY: setup test book notebooks lab lint bench clean system-test system-book
+
+# $(call debian_packages,PACKAGES,TARGET): install the Debian PACKAGES that are missing, or stop saying how.
+define debian_packages
+	@missing=""; \
+	for p in $(1); do \
+		case $$p in \
+			chromium) [ -x /usr/bin/chromium ] ;; \
+			bubblewrap) command -v bwrap >/dev/null ;; \
+			*) command -v $$p >/dev/null ;; \
+		esac || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ] || [ "$(SYSTEM_PACKAGES)" = skip ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then \
+		echo "make $(2) needs:$$missing (Chromium at /usr/bin/chromium). This is not a Debian or Ubuntu"; \
+		echo "machine: install them with its package manager, or run 'make $(2) SYSTEM_PACKAGES=skip'"; \
+		echo "to go on without them (the tests that need them skip, each saying why)."; \
+		exit 1; \
+	fi; \
+	if [ "$$(id -u)" -eq 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null; then sudo="sudo"; \
+	else \
+		echo "make $(2) needs the Debian packages$$missing, and only root can install them. Type:"; \
+		echo "    su -c 'apt-get install -y$$missing'"; \
+		echo "then 'make $(2)' again (or 'make $(2) SYSTEM_PACKAGES=skip' to go on without them)."; \
+		exit 1; \
+	fi; \
+	echo "make $(2): installing the Debian packages$$missing"; \
+	{ $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; } || { \
+		echo "make $(2) could not install$$missing. Type:"; \
+		echo "    sudo apt-get install -y$$missing"; \
+		echo "then 'make $(2)' again."; \
+		exit 1; \
+	}
+endef
+
+system-test:
+	$(call debian_packages,chromium bubblewrap npm,test)
+
+system-book:
+	$(call debian_packages,npm,book)
 
 setup: $(VENV)/.installed
 
@@ -57,11 +106,15 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[dev,book]"
 	@touch $@
 
-test: setup
+test: system-test setup
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadfile tests --nbval-lax $$($(PY) -m minillm.book notebooks)
+	@other=$$($(PY) -c "import torch; print('avx2' if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 'default')"); \
+	echo "The tests that compare two paths, again on PyTorch's '$$other' CPU kernels (ATEN_CPU_CAPABILITY=$$other):"; \
+	ATEN_CPU_CAPABILITY=$$other OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadfile -m compares_paths \
+		tests --nbval-lax $$($(PY) -m minillm.book notebooks)
 
-book: setup
+book: system-book setup
 	$(PY) -m minillm.book.site
 
 notebooks: setup

@@ -15,6 +15,30 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The tests and notebooks that compare two ways of computing the same result: one request alone and in a
+# batch, in turns and one step ahead, eager and compiled or graphed, paged and contiguous, chunked and whole,
+# one process and several ranks. They compare tokens and text exactly and floats within a stated tolerance
+# (`minillm.eval.same_outputs`), because a different batch shape or kernel adds in a different order. `make test`
+# runs them a second time on another of PyTorch's CPU code paths (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU):
+# a comparison that holds bit for bit on one CPU only fails there. Marked `compares_paths` below.
+COMPARES_PATHS = {
+    "test_async_scheduling.py", "test_beam.py", "test_compiled_decode.py", "test_constrained.py",
+    "test_disagg.py", "test_engine.py", "test_eval_cached.py", "test_fused_kernels.py", "test_generate.py",
+    "test_inference_scaling.py", "test_kv_quant.py", "test_lora.py", "test_model_parity.py", "test_paging.py",
+    "test_pipeline_parallel.py", "test_speculative.py", "test_tensor_parallel.py",
+    "04_paging.ipynb", "05_batching.ipynb", "07_speculative.ipynb", "08_disaggregation.ipynb",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "compares_paths: compares two ways of computing one result (COMPARES_PATHS)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in COMPARES_PATHS and (item.path.suffix == ".py" or item.path.parent.name == "chapters"):
+            item.add_marker(pytest.mark.compares_paths)
+
 TEXT = (
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
     "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "

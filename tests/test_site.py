@@ -546,20 +546,43 @@ def test_engine_change_reruns(tmp_path, engine):
     assert len(list(cache.rglob("*.ipynb"))) == 1, "the cache keeps only the latest run of a notebook"
 
 
-def test_failing_notebook_fails_the_build_by_name_and_caches_nothing(tmp_path):
+def test_failing_notebook_fails_the_build_by_name_and_caches_nothing(tmp_path, capsys):
+    """A reader sees a few lines, not a traceback: the notebook, the cell and its first line, the error's last
+    line, where the whole traceback is, and the command that runs that notebook alone, which works."""
     import nbformat
 
+    from minillm.book.site import main
+
     book = write_counting_book(tmp_path, tmp_path / "runs.txt")
-    nbformat.write(_notebook([("md", "# Counting"), ("code", "x = 1"), ("code", "x / 0"), ("code", "print('never')")]),
-                   tmp_path / "chapters" / "00_counting.ipynb")
+    chapter = tmp_path / "chapters" / "00_counting.ipynb"
+    nbformat.write(_notebook([("md", "# Counting"), ("code", "x = 1"), ("code", "# divide\nx / 0"),
+                              ("code", "print('never')")]), chapter)
     before = book_files(tmp_path)
-    with pytest.raises(SiteError, match=r"chapters/00_counting.ipynb failed to run: cell 3 of 4") as err:
+    with pytest.raises(SiteError) as err:
         build_site(book, out_dir=tmp_path / "_build", execute=True, cache_dir=CACHE)
-    assert "x / 0" in str(err.value) and "ZeroDivisionError" in str(err.value)
-    assert "\x1b[" not in str(err.value), "the message keeps the traceback's terminal colour codes"
+    message = str(err.value)
+    assert message.startswith("chapters/00_counting.ipynb failed to run at cell 3 of 4"), message
+    assert "which begins\n    # divide\n" in message and "  ZeroDivisionError: division by zero\n" in message
+    assert "Traceback" not in message and "x / 0" not in message, "the message is a summary, not the traceback"
+    assert "\x1b[" not in message, "the message keeps the traceback's terminal colour codes"
+    log = tmp_path / "_build" / "logs" / "chapters" / "00_counting.log"
+    assert str(log.name) in message and "x / 0" in log.read_text() and "ZeroDivisionError" in log.read_text()
+    assert "-m minillm.book.site --run chapters/00_counting.ipynb" in message
     cached = [p for p in (tmp_path / "_build" / ".cache").rglob("*") if p.is_file()]
     assert not cached, f"a failed run left files in the cache: {cached}"
     assert book_files(tmp_path) == before
+
+    # the command it names: fails the same way (exit status 1, the same lines on stderr) ...
+    run = ["--book", str(book), "--out", str(tmp_path / "_build"), "--run", "chapters/00_counting.ipynb"]
+    assert main(run) == 1
+    assert "ZeroDivisionError: division by zero" in capsys.readouterr().err
+    # ... then, mended, runs the notebook alone and keeps its run for the next build; the log is gone
+    nbformat.write(_notebook([("md", "# Counting"), ("code", "x = 1"), ("code", "print(x / 2)")]), chapter)
+    assert main(run) == 0
+    assert "Ran 1 notebook(s)" in capsys.readouterr().out
+    assert len(list((tmp_path / "_build" / ".cache" / "executed").rglob("*.ipynb"))) == 1 and not log.exists()
+    assert main([*run[:-1], "chapters/nothing.ipynb"]) == 1
+    assert "is not a chapter or solution notebook of the book" in capsys.readouterr().err
 
 
 def test_execute_sources_saves_outputs_in_place(tmp_path, capsys):

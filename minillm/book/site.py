@@ -3,6 +3,7 @@
     python -m minillm.book.site                    # execute copies of the notebooks in _build/, then build
     python -m minillm.book.site --no-execute       # build from the outputs committed in the notebooks
     # -> _build/html/index.html
+    python -m minillm.book.site --run chapters/05_batching.ipynb   # run one notebook's copy, as the build does
     python -m minillm.book.site --execute-sources  # for authors: re-run the notebooks in place, save their outputs
 
 `build_site()` does four things, in order:
@@ -122,7 +123,7 @@ def build_site(
     for part, paths in parts.items():
         for path in paths:
             if execute and part != "Exercises":
-                nb = executed_copy(book.root, path, out / ".cache" / "executed")
+                nb = executed_copy(book.root, path, out / ".cache" / "executed", logs=out / "logs")
             else:
                 nb = nbformat.read(book.root / path, as_version=4)
             (src / path).parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,7 @@ def notebook_parts(book: Book) -> dict[str, list[str]]:
     return parts
 
 
-def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900) -> Any:
+def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900, logs: Path | None = None) -> Any:
     """The notebook `root/path` with fresh outputs, run in memory: the file itself is only read.
 
     The kernel runs in the notebook's own folder (`root/path`'s parent), so the notebook sees exactly
@@ -182,7 +183,8 @@ def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900) -> Any
     Every run is kept in `cache/<path without .ipynb>/<key>.ipynb`, where key is `execution_key(nb)`.
     When that file exists, the notebook is not run again: the current notebook (its markdown may have
     changed) gets the cached run's outputs, cell by cell. A run is cached only when every cell
-    succeeded, so a failed or interrupted run leaves nothing behind.
+    succeeded, so a failed or interrupted run leaves nothing behind. A failed run's cell and traceback
+    go to `logs/<path without .ipynb>.log` when `logs` is given (see `run_notebook`).
     """
     import nbformat
 
@@ -196,7 +198,12 @@ def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900) -> Any
 
     print(f"executing {path} (a copy; the outputs go to the build folder)", flush=True)
     start = time.perf_counter()
-    run_notebook(nb, cwd=(root / path).parent, name=path, timeout=timeout)
+    log = logs / Path(path).with_suffix(".log") if logs is not None else None
+    if log is not None and log.exists():
+        log.unlink()
+    rerun = (f"{_shown(Path(sys.executable))} -m minillm.book.site --run {path}\n  (it runs a copy, in the build "
+             "folder; the notebooks that ran are kept, so `make book` afterwards runs only what has not run yet)")
+    run_notebook(nb, cwd=(root / path).parent, name=path, timeout=timeout, log=log, rerun=rerun)
     print(f"  done in {time.perf_counter() - start:.1f} s", flush=True)
     if runs.exists():
         shutil.rmtree(runs)  # keep only the latest run of each notebook
@@ -205,6 +212,21 @@ def executed_copy(root: Path, path: str, cache: Path, timeout: int = 900) -> Any
     nbformat.write(nb, partial)
     partial.replace(cached)  # last, so an interrupted write leaves no cache entry
     return nb
+
+
+def run_copies(book_path: str | Path | None, paths: Sequence[str], out_dir: str | Path = "_build") -> None:
+    """`--run`: run copies of `paths` (notebooks of the book, relative to its folder) as `build_site` does,
+    keeping each successful run in the same cache; build no site."""
+    book = load_book(book_path)
+    out = Path(out_dir)
+    out = (out if out.is_absolute() else book.root / out).resolve()
+    known = {p for part, ps in notebook_parts(book).items() if part != "Exercises" for p in ps}
+    for path in paths:
+        rel = Path(path).resolve().relative_to(book.root.resolve()).as_posix() if Path(path).is_absolute() else path
+        if rel not in known:
+            raise SiteError(f"{path} is not a chapter or solution notebook of the book (one of: "
+                            f"{', '.join(sorted(known))})")
+        executed_copy(book.root, rel, out / ".cache" / "executed", logs=out / "logs")
 
 
 def execution_key(nb: Any) -> str:
@@ -248,15 +270,20 @@ def execute_sources(paths: Sequence[Path], timeout: int = 900) -> None:
         print(f"executing {path} in place", flush=True)
         nb = nbformat.read(path, as_version=4)
         start = time.perf_counter()
-        run_notebook(nb, cwd=path.parent, name=str(path), timeout=timeout)
+        run_notebook(nb, cwd=path.parent, name=str(path), timeout=timeout,
+                     rerun=f"{sys.executable} -m minillm.book.site --execute-sources {path}")
         nbformat.write(nb, path)
         print(f"  done in {time.perf_counter() - start:.1f} s, saved", flush=True)
 
 
-def run_notebook(nb: Any, cwd: Path, name: str, timeout: int = 900) -> None:
+def run_notebook(nb: Any, cwd: Path, name: str, timeout: int = 900, log: Path | None = None,
+                 rerun: str | None = None) -> None:
     """Run `nb` (in memory) top to bottom with its kernel started in `cwd`.
 
-    Raises SiteError naming the notebook and the cell that failed, with the cell's source and error.
+    On a failure, raises SiteError in a few lines: the notebook, the cell (its number and first line),
+    the error's last line and `rerun`, the command that runs this notebook alone. The cell's whole
+    source and traceback go to the file `log` (when given), named in the message; without `log` they
+    are in the message itself.
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -273,9 +300,34 @@ def run_notebook(nb: Any, cwd: Path, name: str, timeout: int = 900) -> None:
     try:
         client.execute()
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
-        where = f"cell {current['index'] + 1} of {len(nb.cells)} (counting markdown cells)"
-        error = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # the traceback's terminal colours
-        raise SiteError(f"{name} failed to run: {where}. The cell and its error:\n{error}") from None
+        index = current["index"]
+        first_line = next((line for line in nb.cells[index].source.splitlines() if line.strip()), "")
+        where = f"cell {index + 1} of {len(nb.cells)} (counting markdown cells), which begins\n    {first_line}"
+        full = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # the traceback's terminal colours
+        if isinstance(err, CellExecutionError):
+            last = f"{err.ename}: {err.evalue}".strip().rstrip(":")
+        elif isinstance(err, CellTimeoutError):
+            last = f"the cell ran longer than {timeout} s (CellTimeoutError)"
+        else:
+            last = "the notebook's kernel died (DeadKernelError): out of memory, or a crash in native code"
+        lines = [f"{name} failed to run at {where}", f"  {last.splitlines()[0] if last else type(err).__name__}"]
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"{name}: {where}\n\n{full}\n", encoding="utf-8")
+            lines.append(f"The cell's source and the whole traceback: {_shown(log)}")
+        else:
+            lines.append(f"The cell and its error:\n{full}")
+        if rerun:
+            lines.append(f"To run this notebook alone: {rerun}")
+        raise SiteError("\n".join(lines)) from None
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the current folder where it lies inside it (shorter in a message)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def intro_page(book: Book) -> str:
@@ -485,6 +537,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="for authors: re-run these notebooks (default: every written chapter and solution) in place "
         "and save their outputs; builds no site",
     )
+    mode.add_argument(
+        "--run", nargs="+", metavar="NOTEBOOK", default=None,
+        help="run copies of these notebooks in the build folder, as `make book` does, and build no site "
+        "(a run that succeeds is kept: the next build uses it)",
+    )
     parser.add_argument("--out", default=None, help="build folder (default: _build at the repository root)")
     parser.add_argument("--book", default=None, help="the book.yml to build (default: the repository's)")
     args = parser.parse_args(argv)
@@ -499,6 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 paths = [book.root / p for p in [*parts["Chapters"], *parts["Solutions"]]]
             execute_sources(paths)
             print(f"Saved the outputs of {len(paths)} notebook(s); commit them with the notebooks.")
+            return 0
+        if args.run is not None:
+            run_copies(args.book, args.run, out)
+            print(f"Ran {len(args.run)} notebook(s); `make book` builds the site with these runs.")
             return 0
         html = build_site(args.book, out_dir=out, execute=not args.no_execute)
     except (SiteError, BookError, DrillError) as err:
