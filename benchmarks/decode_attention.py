@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from common import write_results
 
-from minillm.arithmetic import cdiv
+from minillm.utils import cdiv
 
 MAX_ERROR = 2e-2  # bf16 outputs of magnitude < 1: a few bf16 ulps
 

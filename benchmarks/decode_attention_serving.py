@@ -26,7 +26,7 @@ import torch
 from common import write_results
 from decode_attention import ROTATE_BYTES, capture, check, start_on_gpu, time_graphs
 
-from minillm.arithmetic import cdiv
+from minillm.utils import cdiv
 
 BLOCK_SIZE = 16
 TABLE_OFFSET = 4  # the graph's input rows hold 4 columns (token, position, slot, length) before the block table

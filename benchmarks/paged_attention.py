@@ -27,7 +27,7 @@ import torch
 from common import write_results
 from decode_attention import ROTATE_BYTES, capture, check, must_read, start_on_gpu, time_graphs
 
-from minillm.arithmetic import cdiv
+from minillm.utils import cdiv
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int):  # noqa: ANN201

@@ -26,10 +26,10 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.arithmetic import kv_blocks
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.kv_cache import KVCache
+from minillm.utils import kv_blocks
 
 PROMPT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\n"
           "FIRST CITIZEN.\nYou are all resolved rather to die than to famish?\n")

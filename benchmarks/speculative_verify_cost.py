@@ -28,11 +28,11 @@ import torch
 from common import write_results
 from roofline import SHAPES, profile_steps
 
-from minillm.arithmetic import cdiv
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
+from minillm.utils import cdiv
 
 
 def build(shape: str) -> Transformer:

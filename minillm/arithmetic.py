@@ -32,6 +32,11 @@ from typing import NamedTuple
 
 from minillm.config import ModelConfig
 
+# The engine's block counts (chapter 04) live in minillm.utils, so no engine file imports this module;
+# the book's readers find them here too, as arithmetic.cdiv and arithmetic.kv_blocks.
+from minillm.utils import cdiv as cdiv
+from minillm.utils import kv_blocks as kv_blocks
+
 # ---------------------------------------------------------------------------------------------
 # Model configurations
 # ---------------------------------------------------------------------------------------------
@@ -659,25 +664,6 @@ def cost_per_million_tokens(
 # ---------------------------------------------------------------------------------------------
 # Later chapters' arithmetic
 # ---------------------------------------------------------------------------------------------
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of integers, ceil(a / b) for b > 0: how many blocks of `b` hold `a` items.
-
-    -(-a // b): floor division of the negation rounds towards minus infinity, so negating it back
-    rounds up, exactly (float division, math.ceil(a / b), is off for integers beyond 2^53).
-    """
-    return -(-a // b)
-
-
-def kv_blocks(seq_len: int, block_size: int = 16) -> int:
-    """KV blocks a sequence of `seq_len` tokens occupies under paging: ceil(seq_len / block_size).
-
-    Units: blocks. Introduced in chapter 04.
-    """
-    _positive("seq_len", seq_len, allow_zero=True)
-    _positive("block_size", block_size)
-    return cdiv(seq_len, block_size)
 
 
 def contiguous_kv_waste(lengths: Sequence[int], max_len: int) -> float:

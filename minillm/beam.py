@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.arithmetic import kv_blocks
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
@@ -54,6 +53,7 @@ from minillm.engine.sequence import default_eos_ids, prepare_prompt
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
+from minillm.utils import kv_blocks
 
 EarlyStopping = bool | str  # True, False or "never"
 NO_BEAM = -1e9  # the starting score of beams that are only copies of the prompt (as in transformers)

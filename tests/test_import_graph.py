@@ -110,3 +110,11 @@ def test_kernels_import_nothing_of_the_engine():
     bad = [f"{m} -> {t}" for m, targets in graph().items() if m.startswith("minillm.kernels") for t in targets
            if not t.startswith("minillm.kernels")]
     assert not bad, f"kernels import the engine: {bad}. A kernel and its reference take tensors, not engine objects."
+
+
+def test_the_engine_takes_its_block_counts_from_utils_not_the_whiteboard():
+    """`minillm.arithmetic` is chapter 02's whiteboard (bytes, FLOPs, rooflines, costs); the engine needs only
+    `cdiv` and `kv_blocks`, which live in `minillm.utils`."""
+    bad = [m for m, targets in graph().items() if m.startswith("minillm.engine") and "minillm.arithmetic" in targets]
+    assert not bad, f"engine modules import minillm.arithmetic: {bad}. Import cdiv / kv_blocks from minillm.utils."
+    assert "minillm.utils" in graph()["minillm.engine.scheduler"], "the check must see the engine's real imports"

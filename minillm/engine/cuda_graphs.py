@@ -40,11 +40,11 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-from minillm.arithmetic import cdiv
 from minillm.engine.kv_cache import PagedKVCache, StepInputs, store_kv
 from minillm.engine.sequence import swap_inflight
 from minillm.model import PagedDecode, Transformer, use_triton_attention
 from minillm.quant.kv import kernel_pool
+from minillm.utils import cdiv
 
 log = logging.getLogger("minillm")
 

@@ -15,13 +15,13 @@ from collections.abc import Hashable
 
 import torch
 
-from minillm.arithmetic import kv_blocks
 from minillm.engine.block_manager import BLOCK_SIZE, NoFreeBlocksError
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, process_logits
 from minillm.speculative import Draft
+from minillm.utils import kv_blocks
 
 
 class DraftModelDrafter:

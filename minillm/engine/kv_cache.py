@@ -59,7 +59,6 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from minillm.arithmetic import cdiv
 from minillm.config import ModelConfig
 from minillm.engine.block_manager import (
     BLOCK_SIZE,
@@ -81,6 +80,7 @@ from minillm.quant.kv import (
     quantize_kv,
 )
 from minillm.transfer import to_device
+from minillm.utils import cdiv
 
 
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: float, block_size: int = BLOCK_SIZE,

@@ -62,7 +62,6 @@ from pathlib import Path
 
 import torch
 
-from minillm.arithmetic import kv_blocks
 from minillm.constrained import TokenIndex, masks_for
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
@@ -77,6 +76,7 @@ from minillm.sampling import SamplingParams
 from minillm.speculative import SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 from minillm.transfer import to_device
+from minillm.utils import kv_blocks
 
 
 @dataclass

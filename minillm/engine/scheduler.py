@@ -47,10 +47,10 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minillm.arithmetic import cdiv
 from minillm.engine.block_manager import NoFreeBlocksError
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.sequence import Sequence, SequenceStatus
+from minillm.utils import cdiv
 
 
 @dataclass

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from minillm.arithmetic import cdiv
 from minillm.engine import LLM
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.eval.agreement import agreement
@@ -42,6 +41,7 @@ from minillm.eval.tasks import share_with_stderr
 from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
 from minillm.sampling import SamplingParams
+from minillm.utils import cdiv
 
 
 @torch.inference_mode()

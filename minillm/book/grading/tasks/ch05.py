@@ -18,13 +18,13 @@ import random
 from collections.abc import Callable, Iterator
 
 from minillm import bench
-from minillm.arithmetic import cdiv
 from minillm.book.grading.registry import MismatchError, diagnose, register_task, short_repr
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
 from minillm.sampling import SamplingParams
+from minillm.utils import cdiv
 
 
 def _tiny_config() -> ModelConfig:
