@@ -1,14 +1,14 @@
 """Pruning and distillation measured on the shipped models, on the CPU (chapter 06).
 
 Pruning: validation perplexity of the shipped target and draft, dense and with every block linear
-pruned to 50% (`minillm.pruning.prune`): unstructured and 2:4, scored by magnitude and by Wanda's
+pruned to 50% (`minillm.train.pruning.prune`): unstructured and 2:4, scored by magnitude and by Wanda's
 |w| * ||x|| (input norms from the shipped training sample). Nothing here is faster: on a CPU the
-zeros are multiplied like any other weight (see minillm/pruning.py for when they pay).
+zeros are multiplied like any other weight (see minillm/train/pruning.py for when they pay).
 
-Distillation: the shipped draft before, after `minillm.distill.distill` from the shipped target,
-and after the same steps, windows and schedule of plain next-token training (`minillm.gqa.uptrain`
+Distillation: the shipped draft before, after `minillm.train.distill.distill` from the shipped target,
+and after the same steps, windows and schedule of plain next-token training (`minillm.train.gqa.uptrain`
 with `distill_settings`, the control), each judged by validation perplexity and by greedy agreement
-with the target (`minillm.train.greedy_agreement`). Training sees only the shipped training sample.
+with the target (`minillm.train.loop.greedy_agreement`). Training sees only the shipped training sample.
 
 Perplexity is `minillm.eval.perplexity(model, validation_ids(tokenizer), max_windows=64)`: the
 first 64 windows of 256 tokens of the shipped validation sample (the model cards use 256 windows of
@@ -28,12 +28,12 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.distill import distill, distill_settings
 from minillm.eval import perplexity
-from minillm.gqa import uptrain
-from minillm.pruning import prune, sparsity_of
 from minillm.quant.calibration import calibration_ids, sample_text, validation_ids
-from minillm.train import batches_for_eval, greedy_agreement
+from minillm.train.distill import distill, distill_settings
+from minillm.train.gqa import uptrain
+from minillm.train.loop import batches_for_eval, greedy_agreement
+from minillm.train.pruning import prune, sparsity_of
 
 PRUNINGS = [("unstructured", "magnitude"), ("unstructured", "wanda"), ("2:4", "magnitude"), ("2:4", "wanda")]
 
@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.perf_counter() - start
     path = write_results(args.out, {
-        "benchmark": "validation perplexity of the shipped models pruned to 50% (minillm.pruning), and the shipped "
-                     "draft distilled from the shipped target (minillm.distill) against plain training (control)",
+        "benchmark": "validation perplexity of the shipped models pruned to 50% (minillm.train.pruning), and the "
+                     "shipped draft distilled from the shipped target (minillm.train.distill) against plain training "
+                     "(control)",
         "data": {"validation": f"shipped sample, first {args.eval_windows} windows of 256 tokens",
                  "calibration": f"{args.calibration_seqs} windows of 256 tokens from the shipped training sample",
                  "train_tokens": len(train_ids)},

@@ -22,15 +22,15 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.constrained import (
+from minillm.contiguous_cache import KVCache
+from minillm.decoding.generation import decode_one_token, generate_constrained, prefill
+from minillm.sample.constrained import (
     RegexDFA,
     TokenIndex,
     mask_logits,
     schema_to_regex,
     vocabulary_bytes,
 )
-from minillm.generation import decode_one_token, generate_constrained, prefill
-from minillm.kv_cache import KVCache
 
 CONSTRAINTS = {
     "json_person": {

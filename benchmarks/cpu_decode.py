@@ -33,7 +33,7 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
 from minillm.quant import quantize_by_name
 
 PROMPT = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
@@ -171,7 +171,7 @@ def main() -> None:
     try:
         import llama_cpp  # noqa: F401
 
-        from minillm.gguf_export import write_gguf
+        from minillm.train.gguf_export import write_gguf
 
         folder = Path(tempfile.mkdtemp(prefix="minillm-gguf-"))
         for qtype in args.gguf_types:

@@ -8,7 +8,7 @@ A Poisson stream of two kinds of requests, as DistServe and Splitwise study: lon
     colocated_chunked   one LLMEngine, chunked prefill: prompts cut into chunks of the step's token budget
     two_replicas        two LLMEngines (two processes) behind a router sending each request to the one with
                         fewer unfinished requests
-    disaggregated       `minillm.disagg.DisaggregatedEngine`: a prefill worker and a decode worker, the KV sent
+    disaggregated       `minillm.parallel.disagg.DisaggregatedEngine`: a prefill worker and a decode worker, the KV sent
 
 Per configuration: TTFT and ITL (inter-token latency) p50 / p99, and goodput: requests per second that met
 both SLOs, TTFT <= `ttft_slo` and TPOT (mean time per output token after the first) <= `tpot_slo`; per device
@@ -40,10 +40,10 @@ from common import write_results
 
 import minillm
 from minillm.checkpoints import materialize
-from minillm.disagg import DisaggregatedEngine
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
+from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.parallel.workers import free_port
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 
 
 # ---------------------------------------------------------------------------- the workload

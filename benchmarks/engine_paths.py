@@ -30,9 +30,9 @@ def measure(threads: int) -> dict:
     import torch
 
     import minillm
-    from minillm.bench import SHAKESPEARE
     from minillm.engine import LLM, LLMEngine
-    from minillm.sampling import SamplingParams
+    from minillm.eval.bench import SHAKESPEARE
+    from minillm.sample.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     model, tok = minillm.load(minillm.DEFAULT_MODEL)

@@ -1,13 +1,13 @@
 """What fewer K/V heads cost in quality, and how much a short uptraining wins back (chapter 03).
 
-The shipped target (`minillm.DEFAULT_MODEL`) is converted by `minillm.gqa.convert_kv_heads` to every
+The shipped target (`minillm.DEFAULT_MODEL`) is converted by `minillm.train.gqa.convert_kv_heads` to every
 count its K/V heads can be pooled into (every divisor of its n_kv_heads, itself included). For each
-we measure validation perplexity right after the conversion and after `minillm.gqa.uptrain` on the
+we measure validation perplexity right after the conversion and after `minillm.train.gqa.uptrain` on the
 training split. The unconverted count is the control: the same uptraining applied to the model as
 shipped shows what the extra training does by itself (the shipped weights are those of the step with
 the lowest validation loss, so more training on the same text can also raise it).
 
-Data: the token ids of `python -m minillm.train prepare --data DIR` (its tokenizer is the shipped
+Data: the token ids of `python -m minillm.train.loop prepare --data DIR` (its tokenizer is the shipped
 one, checked below); if DIR has none, this script prepares them (fetching the corpus with pip).
 Perplexity is `minillm.eval.perplexity` on the validation split, as on the model card: 256 windows
 of 256 tokens. Uptraining sees only the training split.
@@ -33,8 +33,8 @@ import minillm
 from minillm import arithmetic
 from minillm.checkpoints import SHIPPED_MODELS_DIR
 from minillm.eval import perplexity
-from minillm.gqa import UPTRAIN_SETTINGS, UPTRAIN_STEPS, convert_kv_heads, uptrain, valid_kv_heads
-from minillm.train import prepare
+from minillm.train.gqa import UPTRAIN_SETTINGS, UPTRAIN_STEPS, convert_kv_heads, uptrain, valid_kv_heads
+from minillm.train.loop import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,13 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     path = write_results(args.out or f"gqa_quality_{device.type}", {
         "benchmark": "validation perplexity of the shipped target with its K/V heads mean-pooled "
-                     "(minillm.gqa.convert_kv_heads), before and after a short uptraining (minillm.gqa.uptrain)",
+                     "(minillm.train.gqa.convert_kv_heads), before and after a short uptraining "
+                     "(minillm.train.gqa.uptrain)",
         "model": args.model,
         "config": {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                    "n_layers": c.n_layers, "dim": c.dim},
         "data": {"train_tokens": len(tokens["train"]), "val_tokens": len(tokens["val"]),
                  "eval_tokens": args.eval_windows * 256,
-                 "source": "python -m minillm.train prepare (train split for uptraining, validation for perplexity)"},
+                 "source": "python -m minillm.train.loop prepare "
+                           "(train split for uptraining, validation for perplexity)"},
         "settings": {**dataclasses.asdict(settings), "device": args.device},
         "uptraining_vs_pretraining": {
             "uptrain_steps": args.steps,

@@ -1,5 +1,5 @@
 """Usable context, measured: a model trained at one length asked at longer ones, with and without RoPE rescaling
-(chapter 09, `minillm.long_context`).
+(chapter 09, `minillm.eval.long_context`).
 
 Trains the key-value lookup model (`LookupSettings()`: 2 layers, 64 wide, sequences of 64 tokens with 2 needles),
 then measures the share of lookups answered right:
@@ -25,7 +25,7 @@ import time
 import torch
 from common import write_results
 
-from minillm.long_context import LookupSettings, accuracy, context_table, rescaled, train_lookup
+from minillm.eval.long_context import LookupSettings, accuracy, context_table, rescaled, train_lookup
 
 KINDS = ["none", "linear", "ntk", "yarn", "llama3"]
 DEPTH_KINDS = ["none", "linear", "yarn"]

@@ -1,6 +1,6 @@
 """Greedy decoding on the CPU with the paged KV cache vs the contiguous one: what paging costs (chapter 04).
 
-The same model decodes the same prompts greedily, once on `minillm.kv_cache.KVCache` (chapter 02:
+The same model decodes the same prompts greedily, once on `minillm.contiguous_cache.KVCache` (chapter 02:
 one tensor per layer, written and read as slices) and once on `minillm.engine.kv_cache.PagedKVCache`
 (blocks of 16; each step builds a `PagedCacheView`, writes through its slot mapping and gathers
 each row's keys through its block table). Both must produce the same tokens (checked); the time per
@@ -26,9 +26,9 @@ import torch
 from common import write_results
 
 import minillm
+from minillm.contiguous_cache import KVCache
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
-from minillm.kv_cache import KVCache
 from minillm.utils import kv_blocks
 
 PROMPT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\n"

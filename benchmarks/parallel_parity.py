@@ -1,7 +1,7 @@
 """Do the multi-process engines give the one-process engine's tokens on real GPUs? (chapter 08, issue 31)
 
 The Llama-3.2-1B shape with random bf16 weights, four prompts of 64 random tokens, 32 greedy tokens each, from:
-the one-process `LLM`; the disaggregated pair (`minillm.disagg`, prefill on GPU 0, decode on GPU 1, the KV over
+the one-process `LLM`; the disaggregated pair (`minillm.parallel.disagg`, prefill on GPU 0, decode on GPU 1, the KV over
 NCCL); and the 2-stage pipeline (`minillm.parallel.pipeline.run_pipeline`, one stage a GPU, NCCL) with 1 and 2
 micro-batches. Tensor parallelism's check is in `tensor_parallel.py` (its `same tokens` column).
 
@@ -24,10 +24,10 @@ from roofline import SHAPES
 import minillm
 from minillm.checkpoints import save
 from minillm.config import ModelConfig
-from minillm.disagg import DisaggregatedEngine
 from minillm.engine import LLM
+from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.parallel.pipeline import run_pipeline
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 
 TOKENS = 32
 

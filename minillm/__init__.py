@@ -6,7 +6,7 @@
     print(out.text)
 
 The names below are imported on first use (PEP 562's module `__getattr__`), not when the package is:
-`import minillm.cli` then costs milliseconds instead of PyTorch's start-up, so `minillm --help` answers
+`import minillm.entrypoints.cli` then costs milliseconds instead of PyTorch's start-up, so `minillm --help` answers
 at once and a Ctrl-C while the command starts ends it quietly (the CLI catches it; an import at the top
 of this file would have run before the CLI could).
 """
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _EXPORTS = {
-    "beam_search": "minillm.beam",
+    "beam_search": "minillm.decoding.beam",
     "DEFAULT_DRAFT": "minillm.shipped",
     "DEFAULT_MODEL": "minillm.shipped",
     "from_transformers": "minillm.checkpoints",
@@ -29,16 +29,16 @@ _EXPORTS = {
     "save": "minillm.checkpoints",
     "shipped_models": "minillm.shipped",
     "ModelConfig": "minillm.config",
-    "GenerationOutput": "minillm.generation",
-    "StreamChunk": "minillm.generation",
-    "generate": "minillm.generation",
-    "generate_no_cache": "minillm.generation",
-    "generate_stream": "minillm.generation",
-    "KVCache": "minillm.kv_cache",
+    "GenerationOutput": "minillm.decoding.generation",
+    "StreamChunk": "minillm.decoding.generation",
+    "generate": "minillm.decoding.generation",
+    "generate_no_cache": "minillm.decoding.generation",
+    "generate_stream": "minillm.decoding.generation",
+    "KVCache": "minillm.contiguous_cache",
     "Transformer": "minillm.model",
-    "generate_n": "minillm.parallel_sampling",
-    "SamplingParams": "minillm.sampling",
-    "sample": "minillm.sampling",
+    "generate_n": "minillm.decoding.parallel_sampling",
+    "SamplingParams": "minillm.sample.sampling",
+    "sample": "minillm.sample.sampling",
     "Tokenizer": "minillm.tokenizer",
 }
 

@@ -2,7 +2,7 @@
 
 Every function here is a formula you can do on a whiteboard, written down once so that the book's
 numbers come from code: predictions from a model's shape and a GPU's datasheet, not measurements
-(the serving metrics a running engine reports, TTFT, TPOT and throughput, are `minillm.bench`'s and
+(the serving metrics a running engine reports, TTFT, TPOT and throughput, are `minillm.eval.bench`'s and
 the server's `/metrics`). Each docstring states its formula and its units. Conventions:
 
 * **Bytes are bytes, and GB means 10^9 bytes** (as GPU datasheets use it). Divide by 2^30 for GiB.
@@ -463,7 +463,7 @@ def max_batch_size_with_kv_heads(
     Only the K/V heads change. The KV cache per token shrinks by config.n_kv_heads / n_kv_heads, and
     the weights shrink too: each layer's k and v projections lose 2 x dim x (H_kv - n_kv_heads) x
     head_dim weights (and their biases), which become room for cache. Pooling merges equal groups of
-    the current heads, so `n_kv_heads` must divide `config.n_kv_heads` (see `minillm.gqa`).
+    the current heads, so `n_kv_heads` must divide `config.n_kv_heads` (see `minillm.train.gqa`).
     Units: sequences. Introduced in chapter 03.
     """
     c = _config(config)

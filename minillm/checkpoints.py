@@ -271,7 +271,7 @@ def load(
     if (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(folder / "tokenizer.json", config.bos_token_id, config.eos_token_ids)
         tokenizer_config = folder / "tokenizer_config.json"
-        if tokenizer_config.is_file():  # chat models keep their chat template here (used by minillm.server)
+        if tokenizer_config.is_file():  # chat models keep their chat template here (used by minillm.entrypoints.server)
             tokenizer.chat_template = json.loads(tokenizer_config.read_text()).get("chat_template")
     return model, tokenizer
 

@@ -490,7 +490,7 @@ class CacheView(Protocol):
         k, v = cache.update(layer, k, v)                in every layer: store the new K/V, get all K/V to read
         cache.advance(T)                                after the last layer: the new tokens are filled
 
-    The contiguous `minillm.kv_cache.KVCache` (chapter 02) answers for a batch of equal-length rows;
+    The contiguous `minillm.contiguous_cache.KVCache` (chapter 02) answers for a batch of equal-length rows;
     a `minillm.engine.kv_cache.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
     may hold sequences of different lengths.
 

@@ -10,7 +10,7 @@ import torch
 
 from minillm import arithmetic
 from minillm.config import ModelConfig
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
 from minillm.model import Transformer
 
 # Published sizes (model cards, papers), in parameters; param_count must land within 1%.

@@ -1,4 +1,4 @@
-"""Beam search (`minillm.beam`): the one-step selection, KV cache reordering, and parity with transformers.
+"""Beam search (`minillm.decoding.beam`): the one-step selection, KV cache reordering, and parity with transformers.
 
 The parity tests run minillm's and transformers' beam search on the shipped shakespeare-11m (a standard
 Llama folder that transformers loads offline). Its own EOS (</s>) is almost never generated, so most cases
@@ -13,8 +13,8 @@ import torch
 
 import minillm
 from minillm.arithmetic import cdiv
-from minillm.beam import BeamSearch, beam_search, beam_step
 from minillm.checkpoints import SHIPPED_MODELS_DIR
+from minillm.decoding.beam import BeamSearch, beam_search, beam_step
 
 MODEL = "shakespeare-11m"
 PROMPTS = {

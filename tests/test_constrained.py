@@ -1,4 +1,4 @@
-"""Constrained decoding (`minillm.constrained`): regex -> DFA, JSON schema -> regex, the token index, the
+"""Constrained decoding (`minillm.sample.constrained`): regex -> DFA, JSON schema -> regex, the token index, the
 masked generation loop, and a cross-check of the index against outlines-core.
 
 Generation tests use the shipped 1M-parameter Shakespeare model: it has never seen JSON, which is the
@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.constrained import (
+from minillm.decoding.generation import generate_constrained
+from minillm.sample.constrained import (
     DEAD,
     RegexDFA,
     TokenIndex,
@@ -28,8 +29,7 @@ from minillm.constrained import (
     utf8_sequences,
     vocabulary_bytes,
 )
-from minillm.generation import generate_constrained
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (minillm.disagg, chapter 08): two worker processes with the KV cache sent
+"""Prefill/decode disaggregation (minillm.parallel.disagg, chapter 08): two worker processes with the KV cache sent
 between them over torch.distributed (gloo) give the one-engine outputs, send chapter 02's KV bytes, hold back
 when the decode pool is full, free blocks on both sides when a client goes away, and fail clearly when a
 worker dies."""
@@ -13,9 +13,9 @@ import pytest
 
 import minillm
 from minillm.arithmetic import kv_cache_bytes
-from minillm.disagg import DisaggregatedEngine
 from minillm.engine.llm_engine import LLM
-from minillm.sampling import SamplingParams
+from minillm.parallel.disagg import DisaggregatedEngine
+from minillm.sample.sampling import SamplingParams
 
 PROMPTS = ["ROMEO.\nBut soft", "JULIET.\nO Romeo, Romeo", "HAMLET.\nTo be, or not to be", "KING LEAR.\nNothing"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

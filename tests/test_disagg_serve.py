@@ -24,11 +24,11 @@ pytest.importorskip("uvicorn")
 from conftest import served_in_thread  # noqa: E402
 
 import minillm  # noqa: E402
-from minillm import cli  # noqa: E402
-from minillm.disagg import DisaggregatedEngine  # noqa: E402
 from minillm.engine.llm_engine import LLM  # noqa: E402
-from minillm.sampling import SamplingParams  # noqa: E402
-from minillm.server import create_app, serve_in_background  # noqa: E402
+from minillm.entrypoints import cli  # noqa: E402
+from minillm.entrypoints.server import create_app, serve_in_background  # noqa: E402
+from minillm.parallel.disagg import DisaggregatedEngine  # noqa: E402
+from minillm.sample.sampling import SamplingParams  # noqa: E402
 
 MODEL = "shakespeare-1m"
 PROMPT = "ROMEO.\nBut soft, what light through yonder window"

@@ -1,4 +1,4 @@
-"""minillm.distill: the distillation loss, its gradient, and a few steps of distillation (chapter 06)."""
+"""minillm.train.distill: the distillation loss, its gradient, and a few steps of distillation (chapter 06)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from minillm import ModelConfig, Transformer
-from minillm.distill import distill, distill_settings, distillation_loss
-from minillm.gqa import uptrain
-from minillm.train import init_weights, sample_batch
+from minillm.train.distill import distill, distill_settings, distillation_loss
+from minillm.train.gqa import uptrain
+from minillm.train.loop import init_weights, sample_batch
 
 VOCAB = 64
 

@@ -1,4 +1,4 @@
-"""minillm.gguf_export (chapter 06): Q8_0 and Q4_0 blocks bit for bit as gguf-py (llama.cpp's reference
+"""minillm.train.gguf_export (chapter 06): Q8_0 and Q4_0 blocks bit for bit as gguf-py (llama.cpp's reference
 quantisers in numpy) makes them, and a GGUF file that reads back to the model it was written from."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.gguf_export import (
+from minillm.train.gguf_export import (
     dequantize_q4_0,
     dequantize_q8_0,
     interleaved_to_rotary,
@@ -104,7 +104,7 @@ def test_float_files_hold_every_tensor_and_the_tokenizers_bos_rule(qtype, tmp_pa
     """F32 reads back exactly, F16 to fp16 rounding; the tokenizer's tokens, merges, BOS/EOS ids and the
     add-BOS flag (minillm puts <s> before a text prompt, so llama.cpp must too) are in the file."""
     from minillm.checkpoints import to_checkpoint_names
-    from minillm.gguf_export import gguf_name, special_tokens_added
+    from minillm.train.gguf_export import gguf_name, special_tokens_added
 
     model, tok = minillm.load(minillm.DEFAULT_MODEL)
     path = tmp_path / f"m.{qtype}.gguf"
@@ -140,7 +140,7 @@ def test_unknown_gguf_type_is_refused(tmp_path):
 
 
 def test_export_command_writes_the_file(tmp_path, capsys):
-    from minillm.cli import main
+    from minillm.entrypoints.cli import main
 
     path = tmp_path / "model.q4_0.gguf"
     assert main(["export", "--gguf", str(path), "--dtype", "q4_0"]) == 0

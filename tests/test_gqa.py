@@ -1,4 +1,4 @@
-"""minillm.gqa: pooling K/V heads (MHA -> GQA -> MQA), saving the result, uptraining it (chapter 03)."""
+"""minillm.train.gqa: pooling K/V heads (MHA -> GQA -> MQA), saving the result, uptraining it (chapter 03)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from conftest import TEXT, random_hf_model
 import minillm
 from minillm import ModelConfig, Transformer
 from minillm.checkpoints import SHIPPED_MODELS_DIR, from_transformers
-from minillm.gqa import convert_kv_heads, uptrain, valid_kv_heads
-from minillm.train import TrainSettings, encode_works, evaluate, init_weights
+from minillm.train.gqa import convert_kv_heads, uptrain, valid_kv_heads
+from minillm.train.loop import TrainSettings, encode_works, evaluate, init_weights
 
 
 def random_model(seed: int = 0, **overrides) -> Transformer:

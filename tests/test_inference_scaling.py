@@ -1,4 +1,5 @@
-"""Parallel sampling (`minillm.parallel_sampling.generate_n`) and test-time scaling (`minillm.inference_scaling`).
+"""Parallel sampling (`minillm.decoding.parallel_sampling.generate_n`) and test-time scaling
+(`minillm.decoding.inference_scaling`).
 
 `generate_n` batches best_of rows after one prefill. Row i must sample the tokens `generate` samples with
 seed + i: the generators are the same, and the logits agree to a few 1e-6 (a batched matmul adds in
@@ -14,8 +15,8 @@ import pytest
 
 import minillm
 from minillm import SamplingParams
-from minillm.generation import GenerationOutput
-from minillm.inference_scaling import (
+from minillm.decoding.generation import GenerationOutput
+from minillm.decoding.inference_scaling import (
     METHODS,
     NEXT_SPEAKER_EXCERPTS,
     Excerpt,
@@ -27,7 +28,7 @@ from minillm.inference_scaling import (
     self_consistency,
     success_curve,
 )
-from minillm.parallel_sampling import generate_n
+from minillm.decoding.parallel_sampling import generate_n
 
 PROMPT = "ROMEO.\nBut soft, what light"
 

@@ -18,10 +18,10 @@ import torch
 import minillm
 from minillm import SamplingParams
 from minillm.config import ModelConfig
+from minillm.contiguous_cache import KVCache
 from minillm.engine import LLM, LLMEngine
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
-from minillm.kv_cache import KVCache
 from minillm.model import PagedDecode, Transformer
 from minillm.quant.kv import KV_CACHE_DTYPES, dequantize_kv, kv_bytes_per_token, quantize_kv
 
@@ -388,7 +388,7 @@ def engine_caches(monkeypatch):
 
 def test_task_8_generate_n_runs_on_a_quantised_cache(shipped, engine_caches):
     """PROMPTS[1] keeps its greedy tokens on an int8 cache (task 5): both rows of generate_n give them."""
-    from minillm.parallel_sampling import generate_n
+    from minillm.decoding.parallel_sampling import generate_n
 
     model, tokenizer = shipped
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -400,7 +400,7 @@ def test_task_8_generate_n_runs_on_a_quantised_cache(shipped, engine_caches):
 
 
 def test_task_8_constrained_decoding_runs_on_a_quantised_cache(shipped, engine_caches):
-    from minillm.generation import generate_constrained
+    from minillm.decoding.generation import generate_constrained
 
     model, tokenizer = shipped
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -413,7 +413,7 @@ def test_task_8_constrained_decoding_runs_on_a_quantised_cache(shipped, engine_c
 def test_task_8_beam_search_runs_on_a_quantised_cache(shipped):
     """The beams fork and copy blocks of an int8 cache (task 6 checks the scales travel): same best beam, and
     scores (mean log-probabilities) within the logit noise of task 4."""
-    from minillm.beam import BeamSearch, beam_search
+    from minillm.decoding.beam import BeamSearch, beam_search
 
     model, tokenizer = shipped
     results = {d: beam_search(model, PROMPTS[3], num_beams=3, max_tokens=12, n=3, tokenizer=tokenizer,
@@ -428,9 +428,9 @@ def test_task_8_beam_search_runs_on_a_quantised_cache(shipped):
 
 @pytest.mark.parametrize("call", ["generate_n", "constrained", "beam"])
 def test_task_8_a_bad_kv_cache_dtype_is_a_clear_error_everywhere(shipped, call):
-    from minillm.beam import beam_search
-    from minillm.generation import generate_constrained
-    from minillm.parallel_sampling import generate_n
+    from minillm.decoding.beam import beam_search
+    from minillm.decoding.generation import generate_constrained
+    from minillm.decoding.parallel_sampling import generate_n
 
     model, tokenizer = shipped
     params = SamplingParams(max_tokens=4)

@@ -1,11 +1,11 @@
-"""minillm.long_context (chapter 09): the key-value lookup's sequences are what its docstring says, and RoPE
+"""minillm.eval.long_context (chapter 09): the key-value lookup's sequences are what its docstring says, and RoPE
 rescaling at inference changes nothing at factor 1 and only the rotary frequencies otherwise."""
 
 from __future__ import annotations
 
 import torch
 
-from minillm.long_context import NEEDLE, QUERY, LookupSettings, make_batch, rescaled
+from minillm.eval.long_context import NEEDLE, QUERY, LookupSettings, make_batch, rescaled
 from minillm.model import Transformer
 
 

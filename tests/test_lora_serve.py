@@ -14,9 +14,9 @@ import torch
 
 import minillm
 from minillm.engine import LLM
+from minillm.entrypoints.server import serve_in_background
 from minillm.lora import LoRAAdapter, save_adapter, target_rows
-from minillm.sampling import SamplingParams
-from minillm.server import serve_in_background
+from minillm.sample.sampling import SamplingParams
 from minillm.shipped import DEFAULT_MODEL
 
 openai = pytest.importorskip("openai")
@@ -66,11 +66,12 @@ def test_task_1_serve_picks_the_adapter_by_model_name(adapters, one_thread):
 def test_task_2_bad_adapter_is_refused_at_start_up(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{broken")
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
-    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", "--model", DEFAULT_MODEL, "--port", "1",
-                           "--lora-modules", f"bad={tmp_path}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--model", DEFAULT_MODEL,
+                           "--port", "1", "--lora-modules", f"bad={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad: LoRA adapter" in lines[0] and "not valid JSON" in lines[0], proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", "--lora-modules", "no-equals-sign"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--lora-modules",
+                           "no-equals-sign"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "NAME=PATH" in proc.stderr

@@ -9,7 +9,7 @@ import torch
 
 import minillm
 from minillm.lora import LoRAAdapter, load_adapter, merge_adapter, save_adapter
-from minillm.lora.train import SHIPPED, sequence_perplexity, shipped_speeches, train_lora
+from minillm.train.lora_finetune import SHIPPED, sequence_perplexity, shipped_speeches, train_lora
 
 FOLDER = os.path.join(os.path.dirname(minillm.__file__), "models", SHIPPED)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
 from minillm.parallel.pipeline import (
     PipelineStage,
     StageCache,

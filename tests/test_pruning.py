@@ -1,4 +1,4 @@
-"""minillm.pruning: unstructured and 2:4 masks, Wanda's score, pruning a model in place (chapter 06)."""
+"""minillm.train.pruning: unstructured and 2:4 masks, Wanda's score, pruning a model in place (chapter 06)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import minillm
 from minillm import ModelConfig, Transformer
 from minillm.eval import perplexity
-from minillm.pruning import magnitude_prune, prune, prune_2_4, sparsity_of, wanda_scores
 from minillm.quant import block_linears, quantize
 from minillm.quant.calibration import calibration_ids, capture_inputs, validation_ids
-from minillm.train import init_weights
+from minillm.train.loop import init_weights
+from minillm.train.pruning import magnitude_prune, prune, prune_2_4, sparsity_of, wanda_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: small models run on one thread
 

@@ -1,4 +1,4 @@
-"""minillm.server (chapter 05): the OpenAI-compatible server, called with the official `openai` client.
+"""minillm.entrypoints.server (chapter 05): the OpenAI-compatible server, called with the official `openai` client.
 
 The server runs in a thread on a free port of 127.0.0.1 for this module and is stopped at its end.
 Its outputs are compared with `LLM.generate` on the same model (greedy, so exactly), streaming and
@@ -23,8 +23,8 @@ from conftest import served_in_thread  # noqa: E402
 
 import minillm  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
-from minillm.sampling import SamplingParams  # noqa: E402
-from minillm.server import apply_chat_template, create_app  # noqa: E402
+from minillm.entrypoints.server import apply_chat_template, create_app  # noqa: E402
+from minillm.sample.sampling import SamplingParams  # noqa: E402
 
 MODEL = "shakespeare-1m"
 
@@ -180,7 +180,7 @@ def test_minillm_serve_command_starts_a_server_on_loopback():
     """`minillm serve` in its own process (through serve_in_background): it answers /health and /v1/models on
     127.0.0.1, with the flags it was given (here an int8 KV cache, chapter 06), and is stopped when the block ends."""
     import minillm
-    from minillm.server import serve_in_background
+    from minillm.entrypoints.server import serve_in_background
 
     with serve_in_background(MODEL, max_num_seqs=4, kv_cache_dtype="int8") as url:
         assert url.startswith("http://127.0.0.1:")
@@ -197,9 +197,9 @@ def test_minillm_serve_command_starts_a_server_on_loopback():
         httpx.get(url + "/health", timeout=1)
 
 
-# ---------------------------------------------------------------------- the load generator (minillm.bench)
+# ---------------------------------------------------------------------- the load generator (minillm.eval.bench)
 def test_percentiles_by_nearest_rank():
-    from minillm.bench import percentiles
+    from minillm.eval.bench import percentiles
 
     got = percentiles([float(x) for x in range(1, 101)])
     assert (got["p50"], got["p90"], got["p99"], got["mean"]) == (50.0, 90.0, 99.0, 50.5)
@@ -208,7 +208,7 @@ def test_percentiles_by_nearest_rank():
 def test_online_bench_against_the_live_server(server):
     """A bounded Poisson run on loopback: every request completes with exactly its max_tokens streamed, the
     latencies are ordered and the goodput is at most the throughput."""
-    from minillm.bench import make_requests, online
+    from minillm.eval.bench import make_requests, online
 
     requests = make_requests(8, (4, 20), (3, 12), server.tok, seed=1)
     result = online(server.url, MODEL, requests, rate=40.0, max_seconds=60, slo_ttft=10.0, slo_tpot=1.0,
@@ -224,7 +224,7 @@ def test_online_bench_against_the_live_server(server):
 
 
 def test_online_bench_reports_a_server_that_refuses(server):
-    from minillm.bench import make_requests, online
+    from minillm.eval.bench import make_requests, online
 
     result = online(server.url, "no-such-model", make_requests(2, (4, 8), (2, 4), server.tok), rate=float("inf"),
                     max_seconds=30, use_tqdm=False)
@@ -232,7 +232,7 @@ def test_online_bench_reports_a_server_that_refuses(server):
 
 
 def test_offline_bench_counts_every_token(server):
-    from minillm.bench import make_requests, offline
+    from minillm.eval.bench import make_requests, offline
 
     requests = make_requests(6, (4, 30), (2, 10), server.tok, seed=2)
     result = offline(server.offline, requests, use_tqdm=False)

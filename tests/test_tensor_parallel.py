@@ -22,8 +22,8 @@ from minillm.parallel.tensor import (
     row_shard,
     shard_config,
 )
-from minillm.sampling import SamplingParams
-from minillm.speculative import NgramDrafter, SpeculativeConfig
+from minillm.sample.sampling import SamplingParams
+from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
 
 PROMPTS = ["ROMEO.\nBut soft", "JULIET.\nO Romeo, Romeo", "HAMLET.\nTo be, or not to be"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_minillm_serve_with_two_ranks_answers_as_one_process_does() -> None:
     the one-process engine."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from minillm.server import serve_in_background
+    from minillm.entrypoints.server import serve_in_background
 
     model, tokenizer = minillm.load("shakespeare-1m")
     expected = LLM(model, tokenizer).generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].text

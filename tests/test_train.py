@@ -1,4 +1,4 @@
-"""minillm/train.py runs end to end on a tiny setting, and its loss goes down."""
+"""minillm/train/loop.py runs end to end on a tiny setting, and its loss goes down."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from conftest import TEXT
 
 from minillm import ModelConfig
 from minillm.checkpoints import load, save
-from minillm.train import TrainSettings, encode_works, fit, greedy_agreement, lr_at, train_tokenizer
+from minillm.train.loop import TrainSettings, encode_works, fit, greedy_agreement, lr_at, train_tokenizer
 
 
 def test_tiny_training_run_lowers_the_loss(tmp_path):

@@ -79,8 +79,7 @@ from minillm.quant.kv import (
     kv_storage_dtype,
     quantize_kv,
 )
-from minillm.transfer import to_device
-from minillm.utils import cdiv
+from minillm.utils import cdiv, to_device
 
 
 def num_blocks_for_memory(config: ModelConfig, memory_bytes: float, block_size: int = BLOCK_SIZE,

@@ -41,14 +41,14 @@ Sequences of one request, indices 0 .. best_of - 1; their outputs carry the requ
 its logits are masked to the tokens the pattern allows at every step.
 
 `minillm.generate` (one request), `minillm.generate_n` (n completions of one prompt) and
-`minillm.generation.generate_constrained` all run on this engine: there is one generation loop.
+`minillm.decoding.generation.generate_constrained` all run on this engine: there is one generation loop.
 With `speculative=SpeculativeConfig(drafter, k)` (chapter 07) the decode rows of a step are a variant
 of it: the drafter proposes up to k tokens per row, one target forward scores them all, the verify
 rule keeps some, and the rejected positions are rolled back in the cache
 (`ModelRunner.speculative_decode`). With LoRA adapters (chapter 08: `lora_modules=`, `add_lora`), each
 request may name one (`add_request(..., lora="name")`): one step mixes rows of different adapters and of
 the base model, the base matmul once for all, each row's low-rank update by the batched LoRA matmul
-(`minillm.lora`). Beam search (`minillm.beam`) keeps its own loop on the same paged
+(`minillm.lora`). Beam search (`minillm.decoding.beam`) keeps its own loop on the same paged
 cache and forward, because its step is a global choice among the beams, not one token sampled per request.
 """
 
@@ -62,7 +62,6 @@ from pathlib import Path
 
 import torch
 
-from minillm.constrained import TokenIndex, masks_for
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
@@ -72,11 +71,11 @@ from minillm.engine.sequence import Constraint, default_eos_ids, prepare_prompt
 from minillm.engine.sequence import Sequence as Seq
 from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
-from minillm.sampling import SamplingParams
-from minillm.speculative import SpeculativeConfig, SpeculativeStats
+from minillm.sample.constrained import TokenIndex, masks_for
+from minillm.sample.sampling import SamplingParams
+from minillm.sample.speculative import SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
-from minillm.transfer import to_device
-from minillm.utils import kv_blocks
+from minillm.utils import kv_blocks, to_device
 
 
 @dataclass
@@ -132,7 +131,7 @@ class LLMEngine:
             (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
             capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
             forwards score several tokens per row).
-        speculative: draft and verify decode tokens (`minillm.speculative.SpeculativeConfig`, chapter 07);
+        speculative: draft and verify decode tokens (`minillm.sample.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
         compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
             and AOTInductor: seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by
@@ -221,7 +220,7 @@ class LLMEngine:
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self.num_preemptions = 0  # sequences preempted since the start (the server's /metrics reports it)
         # Called with each sequence that finishes in a step, before its blocks are freed: a prefill worker reads
-        # the prompt's KV there to send it on (`minillm.disagg`, chapter 08). Not called for aborts.
+        # the prompt's KV there to send it on (`minillm.parallel.disagg`, chapter 08). Not called for aborts.
         self.on_finish: Callable[[Seq], None] | None = None
         self.reserved: set[str] = set()  # requests whose KV another engine is sending (`reserve_prefilled`)
         self._ids = itertools.count()
@@ -342,8 +341,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ prompts prefilled elsewhere (chapter 08)
     def reserve_prefilled(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
         """Blocks for the keys and values of a request's `num_tokens` prompt tokens, computed by another engine (a
-        prefill worker, `minillm.disagg`): the flat slots to write them to [num_tokens] (`write_kv`), or None if
-        the request must wait: max_num_seqs sequences already run (or are arriving), or the pool is short of
+        prefill worker, `minillm.parallel.disagg`): the flat slots to write them to [num_tokens] (`write_kv`), or None
+        if the request must wait: max_num_seqs sequences already run (or are arriving), or the pool is short of
         blocks (keeping the scheduler's reserve for running sequences). Then `add_prefilled` continues it."""
         scheduler, cache = self.scheduler, self.cache
         if request_id in scheduler.sequences or request_id in self.reserved:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model import Transformer
-from minillm.train import batches_for_eval
+from minillm.train.loop import batches_for_eval
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@
     chi_squared_test(counts, probs)     # (statistic, degrees of freedom, p-value): do the counts fit probs?
 
 Perplexity is e^(loss): the number of equally likely tokens the model is, on average, choosing
-between. It is measured exactly as the shipped models' cards measure it (`minillm.train`): the
+between. It is measured exactly as the shipped models' cards measure it (`minillm.train.loop`): the
 first `max_windows` non-overlapping windows of `seq_len` + 1 tokens of the validation split, each
 window scored from its own start (no context carried across windows).
 """
@@ -16,7 +16,7 @@ import math
 import torch
 
 from minillm.model import Transformer
-from minillm.train import batches_for_eval, evaluate
+from minillm.train.loop import batches_for_eval, evaluate
 
 
 def perplexity(
@@ -26,7 +26,7 @@ def perplexity(
 
     Scores the first min(max_windows, (n_tokens - 1) // seq_len) windows of seq_len + 1 tokens of
     `ids`, in fp32 on a CPU (bf16 autocast on CUDA). With the defaults and the validation split of
-    `python -m minillm.train prepare`, this is the number in the shipped models' cards
+    `python -m minillm.train.loop prepare`, this is the number in the shipped models' cards
     (65,536 scored tokens). Pass the validation split: perplexity on training text flatters.
     """
     if len(ids) < seq_len + 1:

@@ -5,7 +5,7 @@
     slots.py     LoRASlots: device slots filled on demand, LRU eviction, pinned while a request runs;
                  LoRALinear: base(x) + each row's update, the batched gather matmul of minillm.kernels.lora
     train.py     train_lora: a LoRA trained with the base model frozen (the shipped shakespeare-11m-lora-menenius);
-                 import it from minillm.lora.train (it needs the training code, which the engine does not)
+                 import it from minillm.train.lora_finetune (it needs the training code, which the engine does not)
 
     from minillm.lora import load_adapter, merge_adapter
     adapter = load_adapter("adapters/pirate", model.config)

@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
 from minillm.model import Transformer, attention_mask
 from minillm.parallel.workers import free_port
 

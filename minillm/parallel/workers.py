@@ -1,7 +1,7 @@
 """The worker processes of a group (chapter 08): where they meet, and how they are stopped.
 
 Tensor parallelism (`minillm.parallel.tensor`), pipeline parallelism (`minillm.parallel.pipeline`) and the
-prefill/decode split (`minillm.disagg`) each start worker processes with `torch.multiprocessing` (spawn), which
+prefill/decode split (`minillm.parallel.disagg`) each start worker processes with `torch.multiprocessing` (spawn), which
 rendezvous on a free port of this machine and take orders over pipes.
 """
 

@@ -15,7 +15,7 @@ import torch
 from minillm import arithmetic
 from minillm.book.grading.registry import MismatchError, call_probed, expect_close, expect_equal, register_task
 from minillm.config import ModelConfig
-from minillm.kv_cache import KVCache
+from minillm.contiguous_cache import KVCache
 from minillm.model import Transformer
 
 # ---- 02.kv_bytes ------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ kv_bytes = register_task(
     "02.kv_bytes",
     "kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype_bytes: float = 2) -> number of bytes",
     reference=reference_kv_cache_bytes,
-    forbid=("minillm.arithmetic.kv_cache_bytes", "minillm.kv_cache.KVCache.nbytes"),
+    forbid=("minillm.arithmetic.kv_cache_bytes", "minillm.contiguous_cache.KVCache.nbytes"),
 )
 
 
@@ -119,8 +119,9 @@ cached_decode = register_task(
     "02.cached_decode",
     "greedy_decode_cached(model: Transformer, prompt_ids: list[int], n_new: int) -> list[int]  (uses a KVCache)",
     reference=reference_greedy_decode_cached,
-    forbid=("minillm.generation.generate", "minillm.generation.generate_stream", "minillm.generation.prefill",
-            "minillm.generation.decode_one_token", "minillm.parallel_sampling.generate_n", "minillm.beam.beam_search"),
+    forbid=("minillm.decoding.generation.generate", "minillm.decoding.generation.generate_stream",
+            "minillm.decoding.generation.prefill", "minillm.decoding.generation.decode_one_token",
+            "minillm.decoding.parallel_sampling.generate_n", "minillm.decoding.beam.beam_search"),
 )
 
 

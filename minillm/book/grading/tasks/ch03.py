@@ -3,7 +3,7 @@
 
 The attention is checked against attention with K/V copied per query head and against minillm's
 `grouped_query_attention`, and from the inside, by a probe that watches what is done to K and V;
-the pooling against `minillm.gqa`; the sizes against `minillm.arithmetic`.
+the pooling against `minillm.train.gqa`; the sizes against `minillm.arithmetic`.
 """
 
 from __future__ import annotations
@@ -249,16 +249,16 @@ mean_pool_kv = register_task(
     "mean_pool_kv(w: Tensor[n_kv_heads*head_dim, dim] or Tensor[n_kv_heads*head_dim], n_kv_heads: int, "
     "new_kv_heads: int) -> Tensor[new_kv_heads*head_dim, ...]",
     reference=reference_mean_pool_kv,
-    forbid=("minillm.gqa.pool_heads", "minillm.gqa.convert_kv_heads"),
+    forbid=("minillm.train.gqa.pool_heads", "minillm.train.gqa.convert_kv_heads"),
 )
 
 
 def _gqa() -> ModuleType:
-    """minillm.gqa, imported on first use: it imports minillm.train, whose `tqdm.auto` warns "IProgress not
+    """minillm.train.gqa, imported on first use: it imports minillm.train.loop, whose `tqdm.auto` warns "IProgress not
     found" at import, and that warning would land in the first `check` cell of every chapter's notebook."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="IProgress not found")
-        from minillm import gqa
+        from minillm.train import gqa
     return gqa
 
 
@@ -343,7 +343,8 @@ def _(fn: Callable) -> None:
     _check_pool(fn, w, 4, 2, "mean_pool_kv(bf16 w[16, 8], 4, 2)", atol=1e-2)
 
 
-@mean_pool_kv.test("a real model's k/v weights and biases pool to minillm.gqa.convert_kv_heads's (MHA 4 -> GQA 2)")
+@mean_pool_kv.test("a real model's k/v weights and biases pool to minillm.train.gqa.convert_kv_heads's "
+                   "(MHA 4 -> GQA 2)")
 def _(fn: Callable) -> None:
     torch.manual_seed(45)
     config = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=50, qkv_bias=True)

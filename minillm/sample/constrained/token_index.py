@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from minillm.constrained.automata import DEAD, RegexDFA
-from minillm.constrained.json_schema import schema_to_regex
+from minillm.sample.constrained.automata import DEAD, RegexDFA
+from minillm.sample.constrained.json_schema import schema_to_regex
 from minillm.tokenizer import Tokenizer
 
 

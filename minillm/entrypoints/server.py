@@ -27,8 +27,8 @@ at start-up with one line naming the problem.
 Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
 
-`minillm serve --disaggregate` serves a `DisaggregatedEngine` instead (chapter 08, `minillm.disagg`): prompts are
-prefilled in one worker process and decoded in another, the KV cache sent between them; this process only routes.
+`minillm serve --disaggregate` serves a `DisaggregatedEngine` instead (chapter 08, `minillm.parallel.disagg`): prompts
+are prefilled in one worker process and decoded in another, the KV cache sent between them; this process only routes.
 Its `step(timeout=0)` collects what the workers sent without waiting, so the loop polls it and sleeps a few
 milliseconds when nothing came (`DisaggregatedAsyncEngine`, the few methods where the two engines differ); the
 endpoints are the same. The engine flags apply to both workers. Refused: at start-up, speculative decoding,
@@ -75,14 +75,14 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from minillm.constrained import TokenIndex, json_object_regex
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
-from minillm.sampling import SamplingParams
-from minillm.speculative import NgramDrafter, SpeculativeConfig
+from minillm.sample.constrained import TokenIndex, json_object_regex
+from minillm.sample.sampling import SamplingParams
+from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
 
 if TYPE_CHECKING:  # imported where --disaggregate builds one: a one-process server never loads it
-    from minillm.disagg import DisaggregatedEngine
+    from minillm.parallel.disagg import DisaggregatedEngine
 
 try:
     from fastapi import FastAPI, HTTPException, Request
@@ -91,7 +91,8 @@ try:
     from pydantic import BaseModel, Field
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError("minillm.server needs FastAPI and uvicorn: pip install 'minillm-book[serve]'") from exc
+    raise ImportError("minillm.entrypoints.server needs FastAPI and uvicorn: "
+                      "pip install 'minillm-book[serve]'") from exc
 
 log = logging.getLogger("minillm")
 
@@ -894,7 +895,7 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
         check_disaggregate(device, quant, speculative_model, engine_kwargs)
     llm, tokenizer = load(model, device=device, dtype=None if dtype == "auto" else dtype)
     if disaggregate:  # tensor_parallel_size and kv_cache_dtype are checked to be the defaults
-        from minillm.disagg import DisaggregatedEngine
+        from minillm.parallel.disagg import DisaggregatedEngine
 
         worker = {k: v for k, v in engine_kwargs.items()
                   if k not in ("tensor_parallel_size", "kv_cache_dtype", "lora_modules", "max_loras", "max_lora_rank")}
@@ -1005,7 +1006,7 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, e
             flags += [f"--{flag}", *map(str, value)]
         else:
             flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
-    command = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", str(port), *flags]
+    command = [sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--model", model, "--port", str(port), *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"

@@ -32,7 +32,7 @@ import torch
 
 from minillm.checkpoints import build_model, to_checkpoint_names
 from minillm.model import Transformer
-from minillm.train import TrainSettings, add_dropout, lr_at, make_optimizer, sample_batch, train_step
+from minillm.train.loop import TrainSettings, add_dropout, lr_at, make_optimizer, sample_batch, train_step
 
 # Uptraining defaults, sized to run in about a minute on a 2-core CPU: 40 steps of 4 x 256 tokens
 # = 40,960 tokens. The shipped target (minillm/models/shakespeare-11m/training.json) was trained
@@ -125,7 +125,7 @@ def uptrain(
     """Continue training a copy of `model` on training tokens for `n_steps` steps (chapter 03).
 
     The short "uptraining" of Ainslie et al. (2023) that lets a converted model adapt to its
-    pooled K/V heads. It is `minillm.train`'s loop: random windows of the token stream
+    pooled K/V heads. It is `minillm.train.loop`'s loop: random windows of the token stream
     (`sample_batch`), AdamW with decay on matrices (`make_optimizer`), linear warm-up then cosine
     decay (`lr_at`), gradient clipping (`train_step`), optional dropout (`add_dropout`). Seeded:
     on a CPU the same arguments give the same weights. `model` is not modified: a copy is trained

@@ -23,14 +23,20 @@ The modules, in the order the picture runs:
     automata      Thompson's NFA over bytes, subset construction, minimisation: RegexDFA
     token_index   the vocabulary as bytes, TokenIndex, and the logits mask (mask_logits, masks_for)
 
-The package knows nothing of models or the engine: `minillm.generation.generate_constrained` runs one
+The package knows nothing of models or the engine: `minillm.decoding.generation.generate_constrained` runs one
 constrained request, and the engine masks each step's logits with the request's TokenIndex.
 """
 
-from minillm.constrained.automata import DEAD, RegexDFA
-from minillm.constrained.json_schema import json_object_regex, schema_to_regex
-from minillm.constrained.regex import utf8_sequences
-from minillm.constrained.token_index import TokenIndex, bytes_to_unicode, mask_logits, masks_for, vocabulary_bytes
+from minillm.sample.constrained.automata import DEAD, RegexDFA
+from minillm.sample.constrained.json_schema import json_object_regex, schema_to_regex
+from minillm.sample.constrained.regex import utf8_sequences
+from minillm.sample.constrained.token_index import (
+           TokenIndex,
+           bytes_to_unicode,
+           mask_logits,
+           masks_for,
+           vocabulary_bytes,
+)
 
 __all__ = ["DEAD", "RegexDFA", "TokenIndex", "bytes_to_unicode", "json_object_regex", "mask_logits", "masks_for",
            "schema_to_regex", "utf8_sequences", "vocabulary_bytes"]

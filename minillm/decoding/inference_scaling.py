@@ -31,10 +31,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from minillm.generation import GenerationOutput
+from minillm.decoding.generation import GenerationOutput
+from minillm.decoding.parallel_sampling import CompletionOutput, generate_n
 from minillm.model import Transformer
-from minillm.parallel_sampling import CompletionOutput, generate_n
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 Candidate = TypeVar("Candidate")
@@ -206,7 +206,7 @@ def find_excerpts(corpus: str, count: int = 40, seed: int = 0, turns: int = 4, m
     A candidate position is a speaker turn preceded, in the same scene, by `turns` speaker turns
     (no stage direction between them) that fit in `max_chars` characters, among which at least
     three characters speak, including the next speaker, who is not the last one to speak.
-    `NEXT_SPEAKER_EXCERPTS` is `find_excerpts(train.txt)` on the training split of `minillm.corpus`.
+    `NEXT_SPEAKER_EXCERPTS` is `find_excerpts(train.txt)` on the training split of `minillm.train.corpus`.
     """
     head = re.compile(rf"({SPEAKER_LINE.pattern})\.\n(.+)", flags=re.S)
     candidates = []

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.transfer import to_device
+from minillm.utils import to_device
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by them would overflow float32."""

@@ -29,7 +29,7 @@ from minillm.shipped import DEFAULT_MODEL, shipped_models
 QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
 QUANT_HELP = ("quantise the weights first (chapter 06): int8/int4/nf4/fp8 round to nearest; gptq-int4, awq-int4 "
               "and smoothquant calibrate on the shipped training sample (default: none)")
-GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0")  # minillm.gguf_export.GGUF_TYPES, lower-cased
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0")  # minillm.train.gguf_export.GGUF_TYPES, lower-cased
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # minillm.quant.kv.KV_CACHE_DTYPES, written out likewise
 KV_HELP = ("what the KV cache stores (chapter 06): auto (the model's dtype), or int8 / fp8 with a scale per token "
            "and head, about half the bytes (default: auto)")
@@ -69,8 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         from minillm.checkpoints import CheckpointError, load
-        from minillm.generation import generate_stream
-        from minillm.sampling import SamplingParams
+        from minillm.decoding.generation import generate_stream
+        from minillm.sample.sampling import SamplingParams
 
         name = model_name(args)
         if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -116,7 +116,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write the model as a GGUF file llama.cpp runs (chapter 06)."""
     with ctrl_c_exits_at_once():
         from minillm.checkpoints import CheckpointError, load
-        from minillm.gguf_export import write_gguf
+        from minillm.train.gguf_export import write_gguf
 
         name = model_name(args)
         model, tokenizer = load(name)
@@ -240,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY")
     with ctrl_c_exits_at_once():  # uvicorn handles SIGINT and SIGTERM itself while it serves (a graceful drain)
-        from minillm.server import serve
+        from minillm.entrypoints.server import serve
 
         serve(name, args.host, args.port, args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
               metrics_require_api_key=args.metrics_require_api_key, shutdown_timeout=args.shutdown_timeout,
@@ -363,9 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "tolerance allows")
     ev.set_defaults(func=cmd_eval)
 
-    from minillm.bench import add_bench_command
     from minillm.book.grading.drills import add_drill_command
     from minillm.book.grading.grade import add_grade_command
+    from minillm.eval.bench import add_bench_command
 
     add_grade_command(sub)
     add_drill_command(sub)

@@ -24,9 +24,9 @@ from minillm.kernels import gather_kv
 import minillm
 from minillm import SamplingParams
 from minillm.config import ModelConfig
+from minillm.contiguous_cache import KVCache
 from minillm.engine.block_manager import PAD_SLOT, BlockAllocator, NoFreeBlocksError, block_hash, prefix_block_hashes
 from minillm.engine.kv_cache import PagedKVCache
-from minillm.kv_cache import KVCache
 
 # A cache-only config for the tests that drive the cache without a model: 2 layers, 2 KV heads of 2.
 TINY = ModelConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=2, ffn_dim=8, vocab_size=8)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from minillm.config import ModelConfig
 from minillm.model import Transformer
-from minillm.train import TrainSettings, init_weights, lr_at, make_optimizer, optimizer_step
+from minillm.train.loop import TrainSettings, init_weights, lr_at, make_optimizer, optimizer_step
 
 PAD, BOS, NEEDLE, QUERY = 0, 1, 2, 3
 

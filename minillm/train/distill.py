@@ -1,7 +1,7 @@
 """Logit distillation in brief: train a small model to match a large one's next-token distributions (chapter 06).
 
     student, losses = distill(draft, target, train_ids, steps=200)    # a trained copy of the draft
-    greedy_agreement(student, target, batches_for_eval(val_ids, 256, 64))   # minillm.train's measure
+    greedy_agreement(student, target, batches_for_eval(val_ids, 256, 64))   # minillm.train.loop's measure
 
 Hinton, Vinyals and Dean, 2015, "Distilling the Knowledge in a Neural Network" (arXiv:1503.02531):
 a next-token label says which token came; the teacher's distribution also says which others were
@@ -20,9 +20,9 @@ et al. add the ordinary next-token loss with a small weight; here the student se
 The book's example: the shipped draft (`minillm.DEFAULT_DRAFT`, 0.9M parameters) distilled from the
 shipped target (`minillm.DEFAULT_MODEL`, 11M) on the *training* sample. What a speculative decoder
 cares about is agreement with the target (under greedy verification a draft token is accepted when
-it is the target's argmax), so the draft is judged by `minillm.train.greedy_agreement` and by
+it is the target's argmax), so the draft is judged by `minillm.train.loop.greedy_agreement` and by
 perplexity, both on the validation sample, and against a control: the same steps, batches and
-schedule of plain next-token training (`minillm.gqa.uptrain` with `distill_settings(...)`), so that
+schedule of plain next-token training (`minillm.train.gqa.uptrain` with `distill_settings(...)`), so that
 more training alone is not credited to distillation.
 
 Measured by benchmarks/compression.py (results/compression_cpu.json): 200 steps of 4 x 128
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model import Transformer
-from minillm.train import TrainSettings, lr_at, make_optimizer, optimizer_step, sample_batch
+from minillm.train.loop import TrainSettings, lr_at, make_optimizer, optimizer_step, sample_batch
 
 # Sized so that `distill`'s defaults run in under a minute on a CPU core with the shipped pair (most
 # of each step is the 11M teacher's forward pass): 200 steps of 4 x 128 tokens, 102k tokens, 2.6
@@ -55,7 +55,7 @@ def distill_settings(
 ) -> TrainSettings:
     """The optimisation settings `distill` uses: warm-up over the first 10% of steps, cosine to lr / 10.
 
-    Pass the same to `minillm.gqa.uptrain` for the control (plain next-token training): with the same
+    Pass the same to `minillm.train.gqa.uptrain` for the control (plain next-token training): with the same
     seed it draws the same windows in the same order and follows the same learning-rate schedule.
     """
     return TrainSettings(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, min_lr=lr / 10,
@@ -93,7 +93,7 @@ def distill_step(
 ) -> torch.Tensor:
     """One optimiser step of the student towards the teacher on batch [B, T + 1]; returns the loss before it.
 
-    The inputs are batch[:, :-1], exactly what `minillm.train.train_step` feeds the model (its last
+    The inputs are batch[:, :-1], exactly what `minillm.train.loop.train_step` feeds the model (its last
     column, the final target, is unused here), through the same `optimizer_step` as `train_step`.
     """
     x = batch[:, :-1].to(student.device)
@@ -120,7 +120,7 @@ def distill(
 ) -> tuple[Transformer, list[float]]:
     """Train a copy of `student` to match `teacher`'s next-token distributions on `ids` (chapter 06).
 
-    Windows of seq_len tokens at random places of `ids` (`minillm.train.sample_batch`), AdamW with
+    Windows of seq_len tokens at random places of `ids` (`minillm.train.loop.sample_batch`), AdamW with
     weight decay on matrices (`make_optimizer`), the schedule of `distill_settings`, and
     `distillation_loss` at `temperature`. Seeded: on a CPU the same arguments give the same weights.
     Neither `student` nor `teacher` is modified; the copy is trained in fp32 and returned in eval mode.

@@ -16,7 +16,7 @@ The shipped adapter `minillm/models/shakespeare-11m-lora-menenius` is Menenius's
 the base model never trained on (it is in the corpus's validation split, of which the package ships the first
 80,000 characters: `minillm/data/shakespeare_val.txt`). It is reproduced by
 
-    python -m minillm.lora.train minillm/models/shakespeare-11m-lora-menenius
+    python -m minillm.train.lora_finetune minillm/models/shakespeare-11m-lora-menenius
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def train_lora(model: nn.Module, seqs: Sequence[Sequence[int]], targets: Sequenc
     sequences, with a cosine learning rate. Seeded (initialisation and batch order). Returns the adapter, fp32,
     for `save_adapter` (PEFT's format) or `merge_adapter`.
     """
-    from minillm.train import pytorch_attention
+    from minillm.train.loop import pytorch_attention
 
     gen = torch.Generator().manual_seed(seed)
     rows, device = target_rows(model.config), model.device

@@ -23,11 +23,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from minillm.decoding.generation import GenerationOutput
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.engine.sequence import prepare_prompt
-from minillm.generation import GenerationOutput
 from minillm.model import Transformer
-from minillm.sampling import SamplingParams
+from minillm.sample.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 
