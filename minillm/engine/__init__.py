@@ -7,11 +7,13 @@
     model_runner.py   ModelRunner: the one place a step runs the model (eager or CUDA graphs) and samples
     cuda_graphs.py    DecodeGraphs: decode steps captured once and replayed
     draft_model.py    DraftModelDrafter: speculative decoding's draft model, on a paged cache of its own (chapter 07)
+    engine_config.py  EngineConfig: every setting of an engine but the model and tokenizer, in one object
     llm_engine.py     LLMEngine: step = schedule -> run -> postprocess; LLM: offline batch inference
 
-    from minillm.engine import LLM, LLMEngine
+    from minillm.engine import LLM, EngineConfig, LLMEngine
 """
 
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.llm_engine import LLM, LLMEngine, RequestOutput, n_best_by_logprob
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "n_best_by_logprob"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "n_best_by_logprob"]

@@ -57,13 +57,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from minillm.engine.model_runner import ModelRunner, SampledTokens, StepTokens
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
@@ -110,9 +112,14 @@ class RequestOutput:
 class LLMEngine:
     """Serve many requests at once with continuous batching, chunked prefill and a paged KV cache (chapter 05).
 
+    `LLMEngine(model, tokenizer, config)` with an `EngineConfig` (`minillm.engine.engine_config`), or with its fields
+    as keywords, `LLMEngine(model, tokenizer, max_num_seqs=8)`; keywords beside a config override its fields.
+    `engine.config` is the config as built (num_blocks and async_scheduling filled in).
+
     Args:
         model: the model (its device and dtype are the cache's).
         tokenizer: encodes text prompts, decodes outputs, matches stop strings (optional with token ids).
+        config: an `EngineConfig`; its fields (or the keywords of the same names):
         num_blocks: KV blocks in the pool; default: as many as kv_cache_memory_bytes holds, else
             max_num_seqs sequences of the model's full context.
         block_size: tokens per block (16, vLLM's default).
@@ -153,68 +160,51 @@ class LLMEngine:
             host before the next forward); on a CPU it changes nothing but the order, and is off.
     """
 
-    def __init__(
-        self,
-        model: Transformer,
-        tokenizer: Tokenizer | None = None,
-        num_blocks: int | None = None,
-        block_size: int = BLOCK_SIZE,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        cuda_graphs: bool | None = None,
-        speculative: SpeculativeConfig | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_cache_memory_bytes: float | None = None,
-        compile_decode: bool = False,
-        tensor_parallel_size: int = 1,
-        lora_modules: dict[str, str | Path | object] | None = None,
-        max_loras: int = 4,
-        max_lora_rank: int | None = None,
-        async_scheduling: bool | None = None,
-    ) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        c = EngineConfig.of(config, **options)  # keywords still work, and override a config's fields
+        num_blocks, async_scheduling = c.num_blocks, c.async_scheduling  # filled in below where left to the engine
         if async_scheduling is None:  # on where the host and the GPU can overlap, and nothing forbids it
-            async_scheduling = model.device.type == "cuda" and speculative is None and tensor_parallel_size == 1
-        if async_scheduling and (speculative is not None or tensor_parallel_size != 1):
+            async_scheduling = model.device.type == "cuda" and c.speculative is None and c.tensor_parallel_size == 1
+        if async_scheduling and (c.speculative is not None or c.tensor_parallel_size != 1):
             raise ValueError("async_scheduling=True runs ahead of the host, which a speculative step (its drafts come "
                              "from the tokens so far) and tensor parallelism (its workers get the tokens from the "
                              "host) cannot: leave async_scheduling unset with them.")
         self.async_scheduling = async_scheduling
         self.inflight: StepTokens | None = None  # with async scheduling: the latest step's tokens, not read yet
         self.tp = None
-        if tensor_parallel_size != 1:
-            if speculative is not None or compile_decode:
+        if c.tensor_parallel_size != 1:
+            if c.speculative is not None or c.compile_decode:
                 raise ValueError("tensor_parallel_size > 1 runs plain eager steps: leave speculative and "
                                  "compile_decode off with it.")
             from minillm.parallel.tensor import TensorParallel
 
-            self.tp = TensorParallel(model, tensor_parallel_size)
+            self.tp = TensorParallel(model, c.tensor_parallel_size)
             model = self.tp.model  # rank 0's shard: its heads, its slice of the MLP
         self.model, self.tokenizer = model, tokenizer
-        draft = getattr(speculative.drafter, "model", None) if speculative is not None else None
+        draft = getattr(c.speculative.drafter, "model", None) if c.speculative is not None else None
         if draft is not None and draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the target's "
                              f"{model.config.vocab_size}: a draft must share the target's tokenizer (its proposals "
                              "are the target's token ids). Use a draft of the same family, or an NgramDrafter.")
-        self.speculative = speculative
+        self.speculative = c.speculative
         self.spec_stats = SpeculativeStats()
-        check_kv_cache_dtype(kv_cache_dtype)
-        if kv_cache_memory_bytes is not None:
+        check_kv_cache_dtype(c.kv_cache_dtype)
+        if c.kv_cache_memory_bytes is not None:
             if num_blocks is not None:
-                raise ValueError(f"got num_blocks={num_blocks} and kv_cache_memory_bytes={kv_cache_memory_bytes}: "
+                raise ValueError(f"got num_blocks={num_blocks} and kv_cache_memory_bytes={c.kv_cache_memory_bytes}: "
                                  "size the KV pool one way, in blocks or in bytes.")
-            num_blocks = num_blocks_for_memory(model.config, kv_cache_memory_bytes, block_size, model.dtype,
-                                               kv_cache_dtype)
+            num_blocks = num_blocks_for_memory(model.config, c.kv_cache_memory_bytes, c.block_size, model.dtype,
+                                               c.kv_cache_dtype)
         if num_blocks is None:
-            num_blocks = max_num_seqs * kv_blocks(model.config.max_seq_len, block_size)
-        cache_args = (model.config, num_blocks, block_size, model.device, model.dtype, enable_prefix_caching,
-                      kv_cache_dtype)  # with tensor parallelism, rank 0's heads (each rank's pool holds its own)
+            num_blocks = c.max_num_seqs * kv_blocks(model.config.max_seq_len, c.block_size)
+        cache_args = (model.config, num_blocks, c.block_size, model.device, model.dtype, c.enable_prefix_caching,
+                      c.kv_cache_dtype)  # with tensor parallelism, rank 0's heads (each rank's pool holds its own)
         self.cache = self.tp.paged_cache(*cache_args) if self.tp else PagedKVCache(*cache_args)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        no_graphs = ("speculative decoding is on (its verify forwards are not captured)" if speculative else
+        self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
+        no_graphs = ("speculative decoding is on (its verify forwards are not captured)" if c.speculative else
                      "tensor parallelism is on (its steps run eagerly)" if self.tp else None)
-        self.model_runner = ModelRunner(model, self.cache, max_num_seqs, cuda_graphs, no_graphs, compile_decode,
+        self.model_runner = ModelRunner(model, self.cache, c.max_num_seqs, c.cuda_graphs, no_graphs, c.compile_decode,
                                         self.tp)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
@@ -224,15 +214,16 @@ class LLMEngine:
         self.on_finish: Callable[[Seq], None] | None = None
         self.reserved: set[str] = set()  # requests whose KV another engine is sending (`reserve_prefilled`)
         self._ids = itertools.count()
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_loras, self.max_lora_rank = c.max_loras, c.max_lora_rank
         self.lora_slots = None  # minillm.lora.LoRASlots, made at the first adapter (`add_lora`)
         self.lora_modules: dict[str, str] = {}  # each adapter's name -> where it came from (a folder)
-        adapters = {name: self._read_adapter(name, source) for name, source in (lora_modules or {}).items()}
-        if adapters and max_lora_rank is None:
+        adapters = {name: self._read_adapter(name, source) for name, source in (c.lora_modules or {}).items()}
+        if adapters and c.max_lora_rank is None:
             self.max_lora_rank = max(a.rank for a in adapters.values())
         for name, adapter in adapters.items():
-            source = (lora_modules or {})[name]
+            source = (c.lora_modules or {})[name]
             self.add_lora(name, adapter, str(source) if isinstance(source, (str, Path)) else None)
+        self.config = replace(c, num_blocks=num_blocks, async_scheduling=async_scheduling)  # as built
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -594,12 +585,13 @@ class LLM:
     Builds an `LLMEngine` (keyword arguments go to it), adds every prompt, and steps until all are done.
     """
 
-    def __init__(self, model: Transformer | str, tokenizer: Tokenizer | None = None, **engine_kwargs: object) -> None:
+    def __init__(self, model: Transformer | str, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, **options: Any) -> None:
         if isinstance(model, str):
             from minillm.checkpoints import load
 
             model, tokenizer = load(model)
-        self.engine = LLMEngine(model, tokenizer, **engine_kwargs)  # type: ignore[arg-type]
+        self.engine = LLMEngine(model, tokenizer, config, **options)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (`LLMEngine.shutdown`)."""

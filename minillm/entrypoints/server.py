@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from minillm.engine.draft_model import DraftModelDrafter
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.sample.constrained import TokenIndex, json_object_regex
 from minillm.sample.sampling import SamplingParams
@@ -915,7 +916,7 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
             drafter = DraftModelDrafter(draft)  # LLMEngine refuses a draft of another vocabulary
         speculative = SpeculativeConfig(drafter, k)
     cuda_graphs = False if enforce_eager else None
-    return LLMEngine(llm, tokenizer, speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs)
+    return LLMEngine(llm, tokenizer, EngineConfig(speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs))
 
 
 def check_disaggregate(device: str, quant: str | None, speculative_model: str | None, engine_kwargs: dict) -> None:

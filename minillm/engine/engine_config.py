@@ -1,0 +1,51 @@
+"""`EngineConfig`: everything that shapes an engine but the model and its tokenizer, in one object.
+
+The front doors build one (the server from its flags, `LLM` and the tests from keywords) and hand it to
+`LLMEngine(model, tokenizer, config)`, which composes its cache, scheduler and runner from it. Keywords still work:
+`LLMEngine(model, tokenizer, max_num_seqs=8)` is `LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8))`, and
+keywords given beside a config override its fields. Names follow vLLM's engine arguments where they exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from minillm.engine.block_manager import BLOCK_SIZE
+from minillm.sample.speculative import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine's settings (`LLMEngine`'s docstring says what each does). Frozen: a new setting is a new config,
+    `dataclasses.replace(config, max_num_seqs=8)`."""
+
+    num_blocks: int | None = None  # default: as many as kv_cache_memory_bytes holds, else max_num_seqs full contexts
+    block_size: int = BLOCK_SIZE
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool | None = None  # None: wherever they can run
+    speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: float | None = None
+    compile_decode: bool = False
+    tensor_parallel_size: int = 1
+    lora_modules: dict[str, str | Path | object] | None = None
+    max_loras: int = 4
+    max_lora_rank: int | None = None
+    async_scheduling: bool | None = None  # None: on for a CUDA model where nothing forbids it
+
+    @classmethod
+    def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """`config` (default: the defaults) with `options` replacing its fields; a clear TypeError for anything else."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"LLMEngine(model, tokenizer, config): config must be an EngineConfig, got "
+                            f"{type(config).__name__} {config!r}. Give other settings by keyword, e.g. num_blocks=64.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {unknown}; an engine takes: {', '.join(sorted(known))}")
+        return replace(config or cls(), **options)
