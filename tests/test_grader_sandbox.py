@@ -280,3 +280,17 @@ def test_the_call_watcher_knows_a_renamed_copy_by_what_its_code_does():
     assert (value, error, hits) == (4, None, ["minillm.arithmetic.cdiv"])
     value, error, hits = _call_watched(lambda: -(-7 // 2), ["minillm.arithmetic.cdiv"])  # one's own: not a hit
     assert (value, hits) == (4, [])
+
+
+def test_python_under_tmp_stays_visible_in_the_sandbox(monkeypatch):
+    """A checkout in /tmp has its .venv there: the sandbox's empty /tmp must be mounted before Python's folders, or it
+    hides them (bwrap mounts in order) and every sandboxed test skips with 'execvp ... No such file'."""
+    import minillm.book.grading.sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "readonly_paths", lambda: ["/tmp/ci/.venv", "/opt/python"])
+    args = sandbox_module.bwrap_command("/tmp/minillm-grade-x")
+    tmpfs = args.index("--tmpfs")
+    assert args[tmpfs + 1] == "/tmp"
+    binds = [i for i, a in enumerate(args) if a == "--ro-bind" and args[i + 1] in ("/tmp/ci/.venv", "/opt/python")]
+    assert len(binds) == 2 and all(i > tmpfs for i in binds), args
+    assert args.index("--bind") > tmpfs, "the notebook's home is bound after /tmp is emptied"

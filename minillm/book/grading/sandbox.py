@@ -122,11 +122,12 @@ def bwrap_command(home: str) -> list[str]:
             args += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
             args += ["--ro-bind", str(path), str(path)]
-    args += ["--ro-bind", "/etc", "/etc"]
+    # bubblewrap mounts in the order given, a later mount over an earlier one: the empty /tmp comes first, so
+    # that Python and its packages stay visible when they live under /tmp (a checkout and its .venv there).
+    args += ["--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     for path in readonly_paths():
         args += ["--ro-bind", path, path]
-    return args + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", home, SANDBOX_HOME,
-                   "--chdir", SANDBOX_HOME]
+    return args + ["--bind", home, SANDBOX_HOME, "--chdir", SANDBOX_HOME]
 
 
 INSTALL_BWRAP = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
