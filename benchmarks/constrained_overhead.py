@@ -24,7 +24,7 @@ from common import write_results
 import minillm
 from minillm.contiguous_cache import KVCache
 from minillm.decoding.generation import decode_one_token, generate_constrained, prefill
-from minillm.sample.constrained import (
+from minillm.sampler.constrained import (
     RegexDFA,
     TokenIndex,
     mask_logits,

@@ -43,7 +43,7 @@ from minillm.checkpoints import materialize
 from minillm.engine.llm_engine import LLMEngine, RequestOutput
 from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.parallel.workers import free_port
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 # ---------------------------------------------------------------------------- the workload

@@ -34,7 +34,7 @@ from engine_throughput import make_requests
 
 import minillm
 from minillm.engine import LLMEngine, cuda_graphs, kv_cache, llm_engine, model_runner, scheduler
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 STAGES = [(scheduler.Scheduler, "schedule"), (llm_engine.LLMEngine, "_forward"),
           (cuda_graphs.DecodeGraphs, "fill_inputs"), (kv_cache.PagedKVCache, "allocate_slots"),

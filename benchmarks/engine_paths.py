@@ -32,7 +32,7 @@ def measure(threads: int) -> dict:
     import minillm
     from minillm.engine import LLM, LLMEngine
     from minillm.eval.bench import SHAKESPEARE
-    from minillm.sample.sampling import SamplingParams
+    from minillm.sampler.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     model, tok = minillm.load(minillm.DEFAULT_MODEL)

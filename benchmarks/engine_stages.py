@@ -35,7 +35,7 @@ from engine_throughput import LLAMA_1B, add_workload_arguments, make_requests, r
 from minillm import arithmetic
 from minillm.engine import LLM, llm_engine, model_runner
 from minillm.engine.scheduler import Scheduler
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 STAGES = {  # stage -> (the class, the method) it times
     "schedule": (Scheduler, "schedule"),

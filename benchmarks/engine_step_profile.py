@@ -28,7 +28,7 @@ from overlap_timeline import merge
 
 from minillm import arithmetic
 from minillm.engine import LLMEngine
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 def profiled(fn, steps: int) -> dict:  # noqa: ANN001

@@ -39,7 +39,7 @@ import minillm
 from minillm import arithmetic
 from minillm.engine import LLM
 from minillm.engine.model_runner import StepTokens
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096)

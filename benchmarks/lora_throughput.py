@@ -34,7 +34,7 @@ import minillm
 from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.lora import LoRAAdapter, LoRASlots, merge_adapter, target_rows, unmerge_adapter
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 def random_adapter(config: ModelConfig, seed: int, rank: int) -> LoRAAdapter:

@@ -23,7 +23,7 @@ from engine_throughput import random_llama_1b
 
 from minillm.engine import LLMEngine, llm_engine, model_runner
 from minillm.engine.scheduler import Scheduler
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 MARKS = {  # the host's stages: (class, method) -> the span's name
     (Scheduler, "schedule"): "schedule",

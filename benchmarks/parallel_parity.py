@@ -27,7 +27,7 @@ from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.parallel.pipeline import run_pipeline
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 TOKENS = 32
 

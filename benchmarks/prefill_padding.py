@@ -20,7 +20,7 @@ from minillm.config import ModelConfig
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 def main() -> None:

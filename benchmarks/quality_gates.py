@@ -48,7 +48,7 @@ from minillm.eval import (
 )
 from minillm.quant import quantize, quantize_by_name
 from minillm.quant.calibration import validation_ids
-from minillm.sample.speculative import SpeculativeConfig
+from minillm.sampler.speculative import SpeculativeConfig
 
 WINDOWS = 64
 KEY_OUTLIER_FACTOR = 16.0  # the smallest power of two whose int8 KV fails top-1 agreement (a sweep of factors 1-64)

@@ -49,7 +49,7 @@ from minillm.engine import LLMEngine
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 SHAPES = {
     # meta-llama/Llama-3.2-1B config.json

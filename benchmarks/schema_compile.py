@@ -22,7 +22,7 @@ from common import write_results
 
 import minillm
 from minillm.book.notebook import median_time  # one definition, shared with the chapters (as common.py)
-from minillm.sample.constrained import RegexDFA, TokenIndex, schema_to_regex, vocabulary_bytes
+from minillm.sampler.constrained import RegexDFA, TokenIndex, schema_to_regex, vocabulary_bytes
 
 
 def required(properties: dict) -> dict:

@@ -34,8 +34,8 @@ from minillm.engine import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder window breaks?\n",

@@ -34,7 +34,7 @@ from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
 from minillm.parallel.workers import free_port
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, shapes: list[tuple[int, int]], dtype: torch.dtype,

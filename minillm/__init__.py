@@ -37,8 +37,8 @@ _EXPORTS = {
     "KVCache": "minillm.contiguous_cache",
     "Transformer": "minillm.model",
     "generate_n": "minillm.decoding.parallel_sampling",
-    "SamplingParams": "minillm.sample.sampling",
-    "sample": "minillm.sample.sampling",
+    "SamplingParams": "minillm.sampler.sampling",
+    "sample": "minillm.sampler.sampling",
     "Tokenizer": "minillm.tokenizer",
 }
 

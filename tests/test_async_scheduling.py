@@ -21,7 +21,7 @@ from minillm.engine.block_manager import block_hash
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.sequence import inflight_token, swap_inflight
 from minillm.eval.same_outputs import assert_same_outputs
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 TEXT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\nFIRST CITIZEN.\n"
         "You are all resolved rather to die than to famish?\n\nALL.\nResolved, resolved.\n")
@@ -69,7 +69,7 @@ def test_a_block_holding_a_token_in_flight_is_named_once_the_token_is_known():
 
 
 def test_async_scheduling_is_refused_where_the_next_step_needs_the_host(shipped):
-    from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
+    from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 
     model, tok = shipped
     with pytest.raises(ValueError, match="async_scheduling"):
@@ -82,7 +82,7 @@ def test_every_kind_of_request_gives_the_same_outputs_one_step_ahead(shipped, te
     """Greedy, seeded sampling with filters, penalties (which read the tokens so far), stop strings, logprobs,
     n > 1 and best_of (which fork when the prompt completes), a constraint (its automaton follows each token),
     max_tokens 1, and a prompt chunked under a small token budget: all in one batch, all unchanged."""
-    from minillm.sample.constrained import TokenIndex
+    from minillm.sampler.constrained import TokenIndex
 
     model, tok = shipped
     index = TokenIndex.from_constraint(r"(Speak|Resolved), [a-z]+\.", tok, model.config.eos_token_ids)

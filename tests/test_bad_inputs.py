@@ -23,9 +23,9 @@ import minillm
 from minillm.config import ConfigError
 from minillm.engine import LLMEngine
 from minillm.engine.draft_model import DraftModelDrafter
-from minillm.sample.constrained import TokenIndex
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import SpeculativeConfig
+from minillm.sampler.constrained import TokenIndex
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import SpeculativeConfig
 
 MODEL = "shakespeare-1m"
 

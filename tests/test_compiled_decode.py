@@ -132,7 +132,7 @@ def test_compile_decode_is_refused_where_it_cannot_run():
     params = minillm.SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match="use_cache=False runs none"):
         minillm.generate(model, "Hi", params, tok, use_cache=False, compile_decode=True)
-    from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
+    from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 
     with pytest.raises(ValueError, match="compile_decode=True, but speculative decoding"):
         LLMEngine(model, tok, speculative=SpeculativeConfig(NgramDrafter(), 2), compile_decode=True)

@@ -1,4 +1,4 @@
-"""Constrained decoding (`minillm.sample.constrained`): regex -> DFA, JSON schema -> regex, the token index, the
+"""Constrained decoding (`minillm.sampler.constrained`): regex -> DFA, JSON schema -> regex, the token index, the
 masked generation loop, and a cross-check of the index against outlines-core.
 
 Generation tests use the shipped 1M-parameter Shakespeare model: it has never seen JSON, which is the
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import minillm
 from minillm.decoding.generation import generate_constrained
-from minillm.sample.constrained import (
+from minillm.sampler.constrained import (
     DEAD,
     RegexDFA,
     TokenIndex,
@@ -29,7 +29,7 @@ from minillm.sample.constrained import (
     utf8_sequences,
     vocabulary_bytes,
 )
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

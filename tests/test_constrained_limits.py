@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from minillm.sample.constrained import RegexDFA, automata, schema_to_regex
+from minillm.sampler.constrained import RegexDFA, automata, schema_to_regex
 
 
 def test_a_repeat_past_the_budget_is_refused_before_it_is_built_naming_the_repeat():
@@ -105,7 +105,7 @@ def test_combinators_refs_and_patterns_accept_what_outlines_core_accepts(name):
 def test_json_object_regex_takes_json_objects_nested_up_to_its_depth():
     import json
 
-    from minillm.sample.constrained import json_object_regex
+    from minillm.sampler.constrained import json_object_regex
 
     dfa = RegexDFA(json_object_regex(depth=3))
     good = [{}, {"a": 1}, {"a": [1, "x", None], "b": {"c": True}}, {"k": {"l": [1, 2]}}, {"s": 'é " q'}]

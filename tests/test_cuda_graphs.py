@@ -28,7 +28,7 @@ from minillm.engine import LLMEngine  # noqa: E402
 from minillm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graphs_unavailable, padded_batch_size  # noqa: E402
 from minillm.engine.kv_cache import PagedKVCache  # noqa: E402
 from minillm.engine.model_runner import paged_forward  # noqa: E402
-from minillm.sample.sampling import SamplingParams  # noqa: E402
+from minillm.sampler.sampling import SamplingParams  # noqa: E402
 
 DECODE = sys.modules["minillm.kernels.decode_attention"]
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -15,7 +15,7 @@ import minillm
 from minillm.arithmetic import kv_cache_bytes
 from minillm.engine.llm_engine import LLM
 from minillm.parallel.disagg import DisaggregatedEngine
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 PROMPTS = ["ROMEO.\nBut soft", "JULIET.\nO Romeo, Romeo", "HAMLET.\nTo be, or not to be", "KING LEAR.\nNothing"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -28,7 +28,7 @@ from minillm.engine.llm_engine import LLM  # noqa: E402
 from minillm.entrypoints import cli  # noqa: E402
 from minillm.entrypoints.server import create_app, serve_in_background  # noqa: E402
 from minillm.parallel.disagg import DisaggregatedEngine  # noqa: E402
-from minillm.sample.sampling import SamplingParams  # noqa: E402
+from minillm.sampler.sampling import SamplingParams  # noqa: E402
 
 MODEL = "shakespeare-1m"
 PROMPT = "ROMEO.\nBut soft, what light through yonder window"

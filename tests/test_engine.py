@@ -23,7 +23,7 @@ from minillm.engine import LLM, LLMEngine
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence, SequenceStatus
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 MODEL = "shakespeare-1m"
 TEXT = ("FIRST CITIZEN.\nBefore we proceed any further, hear me speak.\n\nALL.\nSpeak, speak.\n\nFIRST CITIZEN.\n"
@@ -330,7 +330,7 @@ def test_llm_generate_returns_the_n_best_of_best_of_per_prompt(shipped, text_ids
 
 def test_a_constrained_request_batched_with_others_matches_its_solo_run(shipped, text_ids):
     from minillm.decoding.generation import generate_constrained
-    from minillm.sample.constrained import TokenIndex
+    from minillm.sampler.constrained import TokenIndex
 
     model, tok = shipped
     index = TokenIndex.from_constraint(r"(Speak|Resolved), [a-z]+\.", tok, model.config.eos_token_ids)

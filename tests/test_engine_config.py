@@ -8,7 +8,7 @@ import pytest
 
 import minillm
 from minillm.engine import LLM, EngineConfig, LLMEngine
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

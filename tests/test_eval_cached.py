@@ -1,6 +1,6 @@
 """minillm.eval.cached (chapter 09): teacher-forced scoring through the engine's quantised KV cache, a model with
 key outliers that computes the same function, greedy agreement through the engine; and the lossy "typical"
-acceptance rule of minillm.sample.speculative that the gate should catch."""
+acceptance rule of minillm.sampler.speculative that the gate should catch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import minillm
 from minillm.engine import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.eval import ThroughKVCache, agreement, cached_logits, greedy_agreement, greedy_tokens, with_key_outliers
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import SpeculativeConfig, verify_greedy, verify_typical
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import SpeculativeConfig, verify_greedy, verify_typical
 
 PROMPTS = ["ROMEO.\nBut soft, what light", "KING HENRY.\nOnce more unto the breach", "JULIET.\n"]
 

@@ -17,7 +17,7 @@ from minillm.checkpoints import save
 from minillm.engine import LLM
 from minillm.entrypoints.cli import main as cli_main
 from minillm.eval import Task, agreement, compare, exact_match, format_table, load_task, loglikelihood, multiple_choice
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

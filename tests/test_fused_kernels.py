@@ -476,7 +476,7 @@ def test_the_engine_samples_plain_greedy_steps_through_the_kernels(monkeypatch):
     from types import SimpleNamespace
 
     from minillm.engine import model_runner
-    from minillm.sample.sampling import SamplingParams
+    from minillm.sampler.sampling import SamplingParams
 
     def seq(**params):
         return SimpleNamespace(params=SamplingParams(**params), constraint=None, generator=None,

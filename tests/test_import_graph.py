@@ -126,7 +126,7 @@ FLOORS = {
     "minillm.kernels": 0,
     **{f"minillm.{m}": 1 for m in ("config", "utils", "tokenizer", "quant", "lora", "model", "contiguous_cache",
                                    "arithmetic", "shipped", "checkpoints")},
-    "minillm.sample": 2,
+    "minillm.sampler": 2,
     "minillm.engine": 3,
     "minillm.decoding": 4, "minillm.parallel": 4,
     "minillm.train": 5,
@@ -171,3 +171,14 @@ def test_the_top_level_is_the_ground_floor_only():
     names = [p.name for folder in PACKAGES.values() for p in folder.rglob("*.py") if p.name != "__init__.py"]
     shared = sorted({n for n in names if names.count(n) > 1})
     assert not shared, f"modules that share a file name: {shared}; name each for its concept"
+
+
+def test_no_public_name_is_also_a_module_of_the_package():
+    """`minillm.sample` is a function; a room named `minillm/sample/` would replace it with the package the moment
+    anything imports the room (a submodule import sets the attribute on its parent)."""
+    import minillm
+
+    clashes = sorted(name for name in minillm.__all__
+                     if (ROOT / "minillm" / name).is_dir() or (ROOT / "minillm" / f"{name}.py").is_file())
+    assert not clashes, f"public names of minillm that are also its modules: {clashes}; rename the module"
+    assert "sample" in minillm.__all__, "the check must see the public names"

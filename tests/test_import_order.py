@@ -1,8 +1,8 @@
 """Every minillm module imports on its own, first, in a fresh interpreter's state (no import circles).
 
-An import circle through a package's `__init__` hides from module-level import graphs: `minillm.sample.speculative`
-imported `minillm.engine.*`, whose package `__init__` imports `llm_engine`, which imports `minillm.sample.speculative`.
-It worked whenever something had imported `minillm.engine` first, and `import minillm.sample.speculative` alone failed.
+An import circle through a package's `__init__` hides from module-level import graphs: `minillm.sampler.speculative`
+imported `minillm.engine.*`, whose package `__init__` imports `llm_engine`, which imports `minillm.sampler.speculative`.
+It worked whenever something had imported `minillm.engine` first, and `import minillm.sampler.speculative` alone failed.
 Here each module is imported with every `minillm` module forgotten beforehand (torch stays loaded, so it takes
 seconds), in a subprocess so that the test process keeps its own modules.
 """

@@ -33,7 +33,7 @@ from minillm.lora import (  # noqa: E402
     save_adapter,
     unmerge_adapter,
 )
-from minillm.sample.sampling import SamplingParams  # noqa: E402
+from minillm.sampler.sampling import SamplingParams  # noqa: E402
 
 peft = pytest.importorskip("peft")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

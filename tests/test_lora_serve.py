@@ -16,7 +16,7 @@ import minillm
 from minillm.engine import LLM
 from minillm.entrypoints.server import serve_in_background
 from minillm.lora import LoRAAdapter, save_adapter, target_rows
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.shipped import DEFAULT_MODEL
 
 openai = pytest.importorskip("openai")

@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 
 import minillm
 from minillm import SamplingParams
-from minillm.sample.sampling import (
+from minillm.sampler.sampling import (
     SampleOutput,
     apply_penalties,
     apply_repetition_penalty,

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 from minillm.entrypoints import cli  # noqa: E402
 from minillm.entrypoints.server import build_engine, is_loopback, serve, serve_in_background  # noqa: E402
-from minillm.sample.speculative import NgramDrafter  # noqa: E402
+from minillm.sampler.speculative import NgramDrafter  # noqa: E402
 
 MODEL = "shakespeare-1m"
 KEY = "sesame-open"

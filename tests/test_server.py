@@ -24,7 +24,7 @@ from conftest import served_in_thread  # noqa: E402
 import minillm  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
 from minillm.entrypoints.server import apply_chat_template, create_app  # noqa: E402
-from minillm.sample.sampling import SamplingParams  # noqa: E402
+from minillm.sampler.sampling import SamplingParams  # noqa: E402
 
 MODEL = "shakespeare-1m"
 

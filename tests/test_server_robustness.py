@@ -119,7 +119,7 @@ def test_openai_fields_not_implemented_are_refused_by_name_not_ignored(server, e
 
 
 def test_logprobs_are_the_engines_in_openais_shapes_streaming_or_not(server):
-    from minillm.sample.sampling import SamplingParams
+    from minillm.sampler.sampling import SamplingParams
 
     offline = minillm.engine.LLM(server.engine.model, server.engine.tokenizer).generate(
         "ROMEO.\n", SamplingParams(max_tokens=6, temperature=0, logprobs=2), use_tqdm=False)[0]
@@ -151,7 +151,7 @@ def test_echo_puts_the_prompt_before_the_completion(server):
 def test_response_format_json_object_gives_a_json_object(server):
     import json
 
-    from minillm.sample.constrained import RegexDFA, json_object_regex
+    from minillm.sampler.constrained import RegexDFA, json_object_regex
 
     dfa = RegexDFA(json_object_regex())
     for seed in range(3):

@@ -1,4 +1,4 @@
-"""minillm.sample.speculative (chapter 07): speculative decoding must not change what the target generates.
+"""minillm.sampler.speculative (chapter 07): speculative decoding must not change what the target generates.
 
 At temperature 0 that is checked token for token against plain greedy decoding, through `generate` and
 through the batched engine. At a temperature it is a statement about distributions, so it is checked by
@@ -23,9 +23,9 @@ from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.eval import chi_squared_test
-from minillm.sample import speculative
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import (
+from minillm.sampler import speculative
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import (
     Draft,
     NgramDrafter,
     SpeculativeConfig,
@@ -286,7 +286,7 @@ def test_shipped_models_speculative_distribution(target, draft, monkeypatch, wro
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
     exact = _pair_distribution(model, ids, params)
     if wrong:
-        monkeypatch.setattr("minillm.sample.speculative.verify", accept_always)
+        monkeypatch.setattr("minillm.sampler.speculative.verify", accept_always)
     pairs = _engine_pairs(model, tok, draft, ids, params, trials=1200)
     support = sorted(exact)
     index = {pair: i for i, pair in enumerate(support)}

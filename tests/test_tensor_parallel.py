@@ -22,8 +22,8 @@ from minillm.parallel.tensor import (
     row_shard,
     shard_config,
 )
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 
 PROMPTS = ["ROMEO.\nBut soft", "JULIET.\nO Romeo, Romeo", "HAMLET.\nTo be, or not to be"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

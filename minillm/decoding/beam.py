@@ -51,7 +51,7 @@ from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.engine.sequence import default_eos_ids, prepare_prompt
 from minillm.model import Transformer
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.utils import kv_blocks
 

@@ -12,7 +12,7 @@ through an engine sized for it (`LLMEngine.for_one_prompt`), so a single call an
 `generate_no_cache` is the reference loop that recomputes the whole sequence at every step;
 chapter 02 measures the two against each other.
 `generate_constrained` runs one request whose output must match a regex or a JSON schema
-(chapter 01): `minillm.sample.constrained` builds the token index, the engine masks the logits with it.
+(chapter 01): `minillm.sampler.constrained` builds the token index, the engine masks the logits with it.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from minillm.contiguous_cache import KVCache
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import Sequence, default_eos_ids, prepare_prompt
 from minillm.model import Transformer
-from minillm.sample.constrained import TokenIndex
-from minillm.sample.sampling import SamplingParams, compute_logprobs, sample
+from minillm.sampler.constrained import TokenIndex
+from minillm.sampler.sampling import SamplingParams, compute_logprobs, sample
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from minillm.sample.speculative import SpeculativeConfig, SpeculativeStats
+    from minillm.sampler.speculative import SpeculativeConfig, SpeculativeStats
 
 
 @dataclass
@@ -236,7 +236,7 @@ def generate(
 ) -> GenerationOutput:
     """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
 
-    With `speculative` (`minillm.sample.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
+    With `speculative` (`minillm.sampler.speculative.SpeculativeConfig`, chapter 07), a drafter proposes tokens and
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
     and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
     chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values. `compile_decode`

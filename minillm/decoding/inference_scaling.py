@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from minillm.decoding.generation import GenerationOutput
 from minillm.decoding.parallel_sampling import CompletionOutput, generate_n
 from minillm.model import Transformer
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 Candidate = TypeVar("Candidate")

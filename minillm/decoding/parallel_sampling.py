@@ -27,7 +27,7 @@ from minillm.decoding.generation import GenerationOutput
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.engine.sequence import prepare_prompt
 from minillm.model import Transformer
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 

@@ -1,8 +1,8 @@
 """A draft model for speculative decoding, on a paged KV cache of its own (chapter 07).
 
-`minillm.sample.speculative` holds the acceptance rule, the `Drafter` interface and the prompt-lookup drafter, none of
+`minillm.sampler.speculative` holds the acceptance rule, the `Drafter` interface and the prompt-lookup drafter, none of
 which needs the engine; this drafter runs a second model on the engine's `PagedKVCache`, so it lives here, and
-`minillm.sample.speculative` stays free of the engine (the engine imports it).
+`minillm.sampler.speculative` stays free of the engine (the engine imports it).
 
     from minillm.engine.draft_model import DraftModelDrafter
     config = SpeculativeConfig(DraftModelDrafter(draft_model), num_speculative_tokens=4)
@@ -19,8 +19,8 @@ from minillm.engine.block_manager import BLOCK_SIZE, NoFreeBlocksError
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
-from minillm.sample.sampling import SamplingParams, process_logits
-from minillm.sample.speculative import Draft
+from minillm.sampler.sampling import SamplingParams, process_logits
+from minillm.sampler.speculative import Draft
 from minillm.utils import kv_blocks
 
 

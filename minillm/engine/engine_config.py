@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.engine.block_manager import BLOCK_SIZE
-from minillm.sample.speculative import SpeculativeConfig
+from minillm.sampler.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -73,9 +73,9 @@ from minillm.engine.sequence import Constraint, default_eos_ids, prepare_prompt
 from minillm.engine.sequence import Sequence as Seq
 from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
-from minillm.sample.constrained import TokenIndex, masks_for
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import SpeculativeConfig, SpeculativeStats
+from minillm.sampler.constrained import TokenIndex, masks_for
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 from minillm.utils import kv_blocks, to_device
 
@@ -138,7 +138,7 @@ class LLMEngine:
             (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
             capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
             forwards score several tokens per row).
-        speculative: draft and verify decode tokens (`minillm.sample.speculative.SpeculativeConfig`, chapter 07);
+        speculative: draft and verify decode tokens (`minillm.sampler.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
         compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
             and AOTInductor: seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by

@@ -32,8 +32,8 @@ from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
-from minillm.sample.constrained import mask_logits
-from minillm.sample.sampling import compute_logprobs, logprob_tensors, sample
+from minillm.sampler.constrained import mask_logits
+from minillm.sampler.sampling import compute_logprobs, logprob_tensors, sample
 from minillm.utils import to_device
 
 log = logging.getLogger("minillm")
@@ -266,7 +266,7 @@ class ModelRunner:
     def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any) -> list[SampledTokens]:
         """Draft, verify in one target forward, roll back the rejected positions (chapter 07).
 
-        `speculative` is a `minillm.sample.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
+        `speculative` is a `minillm.sampler.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
         verify rule) and `stats` its `SpeculativeStats`. Each row's last token (uncomputed, as in any decode
         step) and its d <= k drafts go through the model together, [B, 1 + max d] left-padded; the logits at
         those 1 + d positions are p_1 .. p_{d+1}. The verify rule keeps a accepted drafts and adds one token;

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from minillm.model import Transformer
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from minillm.sample.constrained.token_index import TokenIndex
+    from minillm.sampler.constrained.token_index import TokenIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -44,7 +44,7 @@ class SequenceStatus(enum.Enum):
 @dataclass
 class Constraint:
     """What a constrained request's sequences share (chapter 01): the pattern's token index, and its
-    allowed-token masks [n_states, vocab] bool on the model's device (`minillm.sample.constrained.masks_for`)."""
+    allowed-token masks [n_states, vocab] bool on the model's device (`minillm.sampler.constrained.masks_for`)."""
 
     index: TokenIndex
     masks: torch.Tensor

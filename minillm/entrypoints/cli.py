@@ -70,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         from minillm.checkpoints import CheckpointError, load
         from minillm.decoding.generation import generate_stream
-        from minillm.sample.sampling import SamplingParams
+        from minillm.sampler.sampling import SamplingParams
 
         name = model_name(args)
         if args.device.startswith("cuda") and not torch.cuda.is_available():

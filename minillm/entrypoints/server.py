@@ -78,9 +78,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
-from minillm.sample.constrained import TokenIndex, json_object_regex
-from minillm.sample.sampling import SamplingParams
-from minillm.sample.speculative import NgramDrafter, SpeculativeConfig
+from minillm.sampler.constrained import TokenIndex, json_object_regex
+from minillm.sampler.sampling import SamplingParams
+from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 
 if TYPE_CHECKING:  # imported where --disaggregate builds one: a one-process server never loads it
     from minillm.parallel.disagg import DisaggregatedEngine

@@ -69,7 +69,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------- offline
 def offline(llm: Any, requests: list[tuple[list[int], int]], use_tqdm: bool = True) -> dict[str, Any]:
     """Throughput of `llm.generate` on all requests at once (greedy, exact lengths)."""
-    from minillm.sample.sampling import SamplingParams
+    from minillm.sampler.sampling import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()

@@ -40,7 +40,7 @@ from minillm.eval.perplexity import perplexity
 from minillm.eval.tasks import share_with_stderr
 from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.utils import cdiv
 
 

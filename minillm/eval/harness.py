@@ -126,7 +126,7 @@ class MinillmLM(LM):
         (gen_kwargs["until"]), at most gen_kwargs["max_gen_toks"] tokens. The context is cut on the left to
         leave room for them in the model's context, as lm-eval's own models do."""
         from minillm.engine import LLM
-        from minillm.sample.sampling import SamplingParams
+        from minillm.sampler.sampling import SamplingParams
 
         if self._llm is None:
             self._llm = LLM(self.model, self.tokenizer)

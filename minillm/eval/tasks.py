@@ -158,7 +158,7 @@ def multiple_choice(model: Transformer, tokenizer: Tokenizer, task: Task, batch_
 def exact_match(llm: object, task: Task, max_tokens: int = 16) -> dict[str, float]:
     """exact_match and its standard error: greedy generation from each context until its stop strings, through
     `llm` (a `minillm.LLM`, so the engine's options, e.g. a quantised KV cache, are what is measured)."""
-    from minillm.sample.sampling import SamplingParams
+    from minillm.sampler.sampling import SamplingParams
 
     if task.kind != "exact_match":
         raise ValueError(f"task {task.name!r} is {task.kind}, not exact match: score it with multiple_choice.")

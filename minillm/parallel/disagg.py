@@ -69,7 +69,7 @@ from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import prepare_prompt
 from minillm.model import Transformer
 from minillm.parallel.workers import free_port, stop_workers
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 PREFILL, DECODE = 0, 1  # the two ranks of the KV group

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.preset}: best validation loss {best['val_loss']:.3f} at step {best['step']}")
     else:
         from minillm.decoding.generation import generate
-        from minillm.sample.sampling import SamplingParams
+        from minillm.sampler.sampling import SamplingParams
 
         data = json.loads((args.data / "data.json").read_text())
         val = load_file(str(args.data / "tokens.safetensors"))["val"]

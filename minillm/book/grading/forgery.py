@@ -7,7 +7,7 @@ answer that *is* the engine's function, or calls it. It looks twice:
    `check("NN.task", answer)` hands in, where that name is bound (`def`, `lambda`, assignment,
    import), and every dotted name that binding and the notebook functions it uses refer to,
    resolved through the notebook's imports ("S.top_p_filter" after `from minillm import sampling
-   as S` is "minillm.sample.sampling.top_p_filter");
+   as S` is "minillm.sampler.sampling.top_p_filter");
 2. in the sandbox, while the tests call the answer, a profiler notes every call of a forbidden
    function however it was reached (`getattr` on a string, say); see `minillm.book.grading.sandbox`.
 
@@ -41,7 +41,7 @@ def _parse(source: str, mode: str = "exec") -> ast.AST:
 class NotebookSource:
     """A notebook's code, parsed: imports, bindings, and the answer each `check` call hands in.
 
-    imports:  local name -> the dotted path it stands for ("S" -> "minillm.sample.sampling")
+    imports:  local name -> the dotted path it stands for ("S" -> "minillm.sampler.sampling")
     bindings: local name -> every node that binds it (FunctionDef, ClassDef, Lambda or an assigned value)
     checked:  task id -> the source of the last `check(task_id, <answer>)` call's answer
     unparsed: code cell number -> its syntax error ("line 3: invalid syntax"); such cells are skipped

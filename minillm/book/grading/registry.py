@@ -59,7 +59,7 @@ class Task:
     """A registered exercise task: its id, what the reader must write, its tests, and a reference answer.
 
     `forbid` names the minillm (or torch) functions and classes that already do the task, as dotted
-    paths ("minillm.sample.sampling.top_p_filter"): an answer that is one of them, or calls one, gets no
+    paths ("minillm.sampler.sampling.top_p_filter"): an answer that is one of them, or calls one, gets no
     credit from `minillm grade`. The reference itself is always forbidden.
     """
 

@@ -1,8 +1,8 @@
 """Chapter 01's exercise tasks: the top-p and min-p filters, the repetition penalty, one step of
 beam search, and one step of a regex-constrained logits mask.
 
-Each task's tests compare the reader's function with minillm's own (`minillm.sample.sampling`,
-`minillm.decoding.beam`, `minillm.sample.constrained`) and, on a mismatch, name the likely mistake in the hint.
+Each task's tests compare the reader's function with minillm's own (`minillm.sampler.sampling`,
+`minillm.decoding.beam`, `minillm.sampler.constrained`) and, on a mismatch, name the likely mistake in the hint.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from minillm.book.grading.registry import MismatchError, expect_close, register_task
 from minillm.decoding.beam import NO_BEAM, beam_step
-from minillm.sample import sampling
-from minillm.sample.constrained import RegexDFA, TokenIndex, vocabulary_bytes
+from minillm.sampler import sampling
+from minillm.sampler.constrained import RegexDFA, TokenIndex, vocabulary_bytes
 
 NEG_INF = float("-inf")
 
@@ -63,7 +63,7 @@ top_p = register_task(
     "01.top_p",
     "top_p_filter(logits: Tensor[B, V], p: float) -> Tensor[B, V]  (removed tokens at -inf)",
     reference=reference_top_p,
-    forbid=("minillm.sample.sampling.top_p_filter",),
+    forbid=("minillm.sampler.sampling.top_p_filter",),
 )
 
 
@@ -113,7 +113,7 @@ min_p = register_task(
     "01.min_p",
     "min_p_filter(logits: Tensor[B, V], p: float) -> Tensor[B, V]  (removed tokens at -inf)",
     reference=reference_min_p,
-    forbid=("minillm.sample.sampling.min_p_filter",),
+    forbid=("minillm.sampler.sampling.min_p_filter",),
 )
 
 
@@ -162,7 +162,7 @@ repetition_penalty = register_task(
     "01.repetition_penalty",
     "apply_repetition_penalty(logits: Tensor[B, V], token_ids: list[list[int]], penalty: float) -> Tensor[B, V]",
     reference=reference_repetition_penalty,
-    forbid=("minillm.sample.sampling.apply_repetition_penalty",),
+    forbid=("minillm.sampler.sampling.apply_repetition_penalty",),
 )
 
 
@@ -356,7 +356,7 @@ regex_mask = register_task(
     "01.regex_mask",
     "allowed_tokens(dfa: RegexDFA, state: int, token_bytes: list[bytes | None]) -> BoolTensor[V]",
     reference=reference_allowed_tokens,
-    forbid=("minillm.sample.constrained.TokenIndex",),
+    forbid=("minillm.sampler.constrained.TokenIndex",),
 )
 
 TOY_VOCAB: list[bytes | None] = [None, b"1", b"12", b"2-", b"-", b"-ab", b"a", b"ab", b"abc", b"9x", b"x",

@@ -23,7 +23,7 @@ from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
 from minillm.eval import bench
-from minillm.sample.sampling import SamplingParams
+from minillm.sampler.sampling import SamplingParams
 from minillm.utils import cdiv
 
 

@@ -1,12 +1,12 @@
 """Chapter 07's exercise tasks: the residual distribution, the verify step of speculative sampling, the expected
 tokens per target forward, and the number of drafted tokens that maximises the speed-up.
 
-The residual is checked against `minillm.sample.speculative.residual_distribution` on random pairs of distributions
+The residual is checked against `minillm.sampler.speculative.residual_distribution` on random pairs of distributions
 and on hand-made cases. The verify step is checked in a deterministic form: the reader's function is handed the uniforms
 and a `residual_sample` callable instead of a random generator, so each case has one right answer (the tokens
 emitted, and the one distribution handed to `residual_sample`). A probe records what it was handed and draws that
 distribution's most likely token; the answers are compared with `reference_verify_step`, which mirrors
-`minillm.sample.speculative.verify` (the grader checks the two against each other on steps whose outcome is
+`minillm.sampler.speculative.verify` (the grader checks the two against each other on steps whose outcome is
 certain). Then the reader's rule runs with real random draws, 20,000 steps, and chi-squared tests compare each
 emitted position's tokens with the target's row, and the step lengths with what the acceptance rates give: the rule
 is lossless or it is not. The two formulas are checked against `minillm.arithmetic.expected_tokens_per_step` and
@@ -35,7 +35,7 @@ from minillm.book.grading.registry import (
     register_task,
     short_repr,
 )
-from minillm.sample import speculative
+from minillm.sampler import speculative
 
 
 def _distributions(gen: torch.Generator, rows: int, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -67,7 +67,7 @@ residual_task = register_task(
     "07.residual",
     "residual(p: Tensor[V], q: Tensor[V]) -> Tensor[V]  (norm(max(0, p - q)), in p's dtype)",
     reference=reference_residual,
-    forbid=("minillm.sample.speculative.residual_distribution",),
+    forbid=("minillm.sampler.speculative.residual_distribution",),
 )
 
 _RESIDUAL_HOW = ("r = (p - q).clamp(min=0), the target's mass beyond the drafter's; return r / r.sum(), so that it "
@@ -143,7 +143,7 @@ def _(fn: Callable) -> None:
     _check_residual(fn, cases, "q one-hot")
 
 
-@residual_task.test("agrees with minillm.sample.speculative.residual_distribution on 40 random pairs "
+@residual_task.test("agrees with minillm.sampler.speculative.residual_distribution on 40 random pairs "
                     "(V from 2 to 1,000, float32 and float64)")
 def _(fn: Callable) -> None:
     gen = torch.Generator().manual_seed(702)
@@ -153,7 +153,7 @@ def _(fn: Callable) -> None:
         vocab, dtype = rng.choice([2, 3, 7, 50, 1000]), rng.choice([torch.float32, torch.float64])
         p, q = _distributions(gen, 2, vocab, dtype)
         if not torch.allclose(reference_residual(p, q), speculative.residual_distribution(p, q)):
-            raise RuntimeError("the reference disagrees with minillm.sample.speculative.residual_distribution")  # the
+            raise RuntimeError("the reference disagrees with minillm.sampler.speculative.residual_distribution")  # the
             # grader's own consistency check
         cases.append((p, q))
     _check_residual(fn, cases, "a random pair")
@@ -175,7 +175,7 @@ def _(fn: Callable) -> None:
 
 def reference_verify_step(p: torch.Tensor, q: torch.Tensor, draft_tokens: Sequence[int], uniforms: Sequence[float],
                           residual_sample: Callable[[torch.Tensor], int]) -> list[int]:
-    """Speculative sampling's verify step with its randomness handed in (`minillm.sample.speculative.verify`'s rule).
+    """Speculative sampling's verify step with its randomness handed in (`minillm.sampler.speculative.verify`'s rule).
 
     p [k + 1, V]: the target's rows (row i scores draft i, row k is the bonus row); q [k, V]: the drafter's.
     Draft i, x = draft_tokens[i], is accepted iff uniforms[i] * q[i, x] < p[i, x] (u < p/q: probability
@@ -194,8 +194,8 @@ verify_step_task = register_task(
     "verify_step(p: Tensor[k+1, V], q: Tensor[k, V], draft_tokens: list[int], uniforms: list[float], "
     "residual_sample: Callable[[Tensor[V]], int]) -> list[int]  (accepted drafts + one token)",
     reference=reference_verify_step,
-    forbid=("minillm.sample.speculative.verify", "minillm.sample.speculative.verify_greedy",
-            "minillm.sample.speculative.residual_distribution"),
+    forbid=("minillm.sampler.speculative.verify", "minillm.sampler.speculative.verify_greedy",
+            "minillm.sampler.speculative.residual_distribution"),
 )
 
 
@@ -525,7 +525,7 @@ def _(fn: Callable) -> None:
     for p, q, drafts, uniforms in _certain_steps(gen, 20):  # the grader's own consistency check
         mine = reference_verify_step(p, q, drafts, uniforms, lambda d: int(d.argmax()))
         if mine != speculative.verify(p, drafts, q, generator=torch.Generator().manual_seed(1)):
-            raise RuntimeError(f"the reference disagrees with minillm.sample.speculative.verify on {drafts}, {p}, {q}")
+            raise RuntimeError(f"the reference disagrees with minillm.sampler.speculative.verify on {drafts}, {p}, {q}")
     rng = random.Random(707)
     cases = [_random_step(gen, rng, rng.randint(1, 6), rng.choice([3, 5, 8, 50])) for _ in range(200)]
     _check_steps(fn, cases, "a random step")

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from minillm.sample.constrained.automata import DEAD, RegexDFA
-from minillm.sample.constrained.json_schema import schema_to_regex
+from minillm.sampler.constrained.automata import DEAD, RegexDFA
+from minillm.sampler.constrained.json_schema import schema_to_regex
 from minillm.tokenizer import Tokenizer
 
 

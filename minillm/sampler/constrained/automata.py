@@ -2,7 +2,7 @@
 
     syntax tree ─ Thompson ─► NFA over bytes ─ subsets ─► DFA ─ prune dead states, minimise ─► RegexDFA
 
-The syntax tree comes from `minillm.sample.constrained.regex`. A RegexDFA is a table [states, 256] of the next
+The syntax tree comes from `minillm.sampler.constrained.regex`. A RegexDFA is a table [states, 256] of the next
 state for every byte; DEAD marks the strings that can no longer be completed into a match.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from minillm.sample.constrained.regex import Alt, Chars, Concat, Node, Repeat, parse_regex, utf8_sequences
+from minillm.sampler.constrained.regex import Alt, Chars, Concat, Node, Repeat, parse_regex, utf8_sequences
 
 DEAD = -1  # the state of every string that can no longer be completed into a match
 # The construction budget, enforced while the automaton is built (not after): a pattern past it gets a

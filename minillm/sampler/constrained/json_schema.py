@@ -1,7 +1,7 @@
 """JSON schema -> regular expression: `schema_to_regex` (chapter 01).
 
 Without $ref recursion, a JSON schema describes a regular language, so a schema becomes a pattern
-like any other and is compiled the same way (`minillm.sample.constrained.automata.RegexDFA`). A recursive
+like any other and is compiled the same way (`minillm.sampler.constrained.automata.RegexDFA`). A recursive
 schema (a tree, a linked list) describes nesting without bound, which no regular expression can: it is
 refused, with the $ref that closes the loop named.
 """

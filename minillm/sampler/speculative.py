@@ -52,7 +52,7 @@ from typing import Protocol
 
 import torch
 
-from minillm.sample.sampling import SamplingParams, process_logits
+from minillm.sampler.sampling import SamplingParams, process_logits
 
 
 # ------------------------------------------------------------------ the acceptance rule
@@ -170,7 +170,7 @@ def target_probabilities(
 ) -> torch.Tensor:
     """The target's sampling distribution at each verify position, [k + 1, V] float32.
 
-    Row i is what `minillm.sample.sampling.sample` would draw from after output_ids + draft_tokens[:i]: every
+    Row i is what `minillm.sampler.sampling.sample` would draw from after output_ids + draft_tokens[:i]: every
     processor of chapter 01 applies (penalties, temperature, top-k, top-p, min-p). logits [k + 1, V]
     are the target's raw logits at those positions. Greedy params give rows whose argmax is the token.
     """

@@ -2,7 +2,7 @@
 
     pattern ─ RegexParser ─► syntax tree of Chars, Concat, Alt, Repeat        (`parse_regex`)
 
-`minillm.sample.constrained.automata` compiles the tree into an automaton. The dialect, and why:
+`minillm.sampler.constrained.automata` compiles the tree into an automaton. The dialect, and why:
 
 * The automaton runs over **bytes**, not characters. A byte-level BPE token may hold half of a UTF-8
   character ("é" is 0xC3 0xA9 and the two bytes can sit in different tokens), so only a byte automaton

@@ -27,10 +27,10 @@ The package knows nothing of models or the engine: `minillm.decoding.generation.
 constrained request, and the engine masks each step's logits with the request's TokenIndex.
 """
 
-from minillm.sample.constrained.automata import DEAD, RegexDFA
-from minillm.sample.constrained.json_schema import json_object_regex, schema_to_regex
-from minillm.sample.constrained.regex import utf8_sequences
-from minillm.sample.constrained.token_index import (
+from minillm.sampler.constrained.automata import DEAD, RegexDFA
+from minillm.sampler.constrained.json_schema import json_object_regex, schema_to_regex
+from minillm.sampler.constrained.regex import utf8_sequences
+from minillm.sampler.constrained.token_index import (
            TokenIndex,
            bytes_to_unicode,
            mask_logits,
