@@ -16,10 +16,8 @@ at each one. An engine that prepares step t + 1 while the GPU runs step t (async
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a copy is made: chapter 02's arithmetic, which imports this module,
-    import torch  # stays free of it
+import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,8 +48,6 @@ def to_device(values: torch.Tensor | Sequence, dtype: torch.dtype | None, device
     To a CUDA device the copy leaves from pinned memory without blocking the host; the pinned staging
     buffer comes from PyTorch's caching host allocator, which does not reuse it before the copy is done.
     """
-    import torch
-
     device = torch.device(device)
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None and host.dtype != dtype:
