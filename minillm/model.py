@@ -494,10 +494,10 @@ class CacheView(Protocol):
     a `minillm.engine.kv_cache.PagedCacheView` (chapter 04) answers for one step of a paged cache, whose rows
     may hold sequences of different lengths.
 
-    A cache may also offer two more, which only a captured decode step's view does
-    (`minillm.engine.cuda_graphs.GraphDecodeView`): `fused_write_target(layer)`, the (k_pool, v_pool, slots) the
-    fused rotary kernel may write the new keys and values to itself (or None), and `pools(layer)`, what
-    attention then reads in place of `update`'s answer.
+    A cache may also offer two more, which only a captured decode step's view uses
+    (`minillm.engine.kv_cache.PagedCacheView.of_decode_rows`): `fused_write_target(layer)`, the (k_pool,
+    v_pool, slots) the fused rotary kernel may write the new keys and values to itself (or None), and
+    `pools(layer)`, what attention then reads in place of `update`'s answer.
     """
 
     def positions(self, n: int) -> torch.Tensor:

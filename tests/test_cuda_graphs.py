@@ -90,19 +90,19 @@ def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype, fus
     GPU's fused kernels (forced here, through the interpreter), the step's rotary kernel also writes the keys
     and values to the cache, where the twin's eager step writes them apart."""
     import minillm.model as M
-    from minillm.engine.cuda_graphs import GraphDecodeView
+    from minillm.engine.kv_cache import PagedCacheView
 
     monkeypatch.setattr(M, "use_fused_kernels", lambda x: fused)
     fused_writes = []  # layers whose keys and values the rotary kernel wrote
-    target = GraphDecodeView.fused_write_target
+    target = PagedCacheView.fused_write_target
 
-    def spy(self: GraphDecodeView, layer: int) -> object:
+    def spy(self: PagedCacheView, layer: int) -> object:
         found = target(self, layer)
         if found is not None:
             fused_writes.append(layer)
         return found
 
-    monkeypatch.setattr(GraphDecodeView, "fused_write_target", spy)
+    monkeypatch.setattr(PagedCacheView, "fused_write_target", spy)
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(n)] for n in (5, 37, 20)]  # 1, 3 and 2 blocks of 16
     caches = [PagedKVCache(model.config, 24, 16, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
@@ -124,78 +124,8 @@ def test_the_static_buffer_step_equals_the_eager_step(model, kv_cache_dtype, fus
         for layer in range(model.config.n_layers):  # every key the sequences hold is the same in both pools
             for a, b in zip(caches[0].gather(i, layer), caches[1].gather(i, layer)):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert graphs.staging[3, 4] == graphs.pad_block, "the padding row points at the padding block"
+    assert caches[0].builder.staging[3, 4] == graphs.pad_block, "the padding row points at the padding block"
     assert len(fused_writes) == (3 * model.config.n_layers if fused else 0)
-
-
-def test_kept_rows_equal_rows_written_afresh(model):
-    """`fill_inputs` keeps each sequence's row from one step to the next and writes only what changed. Over a random
-    walk of decode steps (rows leaving, joining and changing order; blocks filling up; forks whose shared block is
-    copied on write; tables grown outside the graphs, truncated, truncated and grown back to the same length on
-    other blocks; an id started again, at the same length, on other blocks), every row must hold what `step_rows`
-    computes afresh, in every column a kernel reads, and every padding row must be the padding row."""
-    from minillm.arithmetic import cdiv
-    from minillm.engine.cuda_graphs import TABLE
-    from minillm.engine.kv_cache import step_rows
-
-    rng = random.Random(0)
-    cache = PagedKVCache(model.config, 2000, 4)  # blocks of 4 tokens: a new block every 4 steps
-    graphs = DecodeGraphs(model, cache, max_batch=12, capture=False)
-    live: list[int] = []
-    ids = iter(range(10**6))
-
-    def grow(seq_id: int, n: int) -> None:  # n tokens added outside the graphs (a prompt chunk, an eager step)
-        cache.allocate_slots([seq_id], [n])
-        cache.commit([cache.block_tables[seq_id]], [[rng.randrange(2, 100) for _ in range(n)]])
-
-    def start(seq_id: int, length: int) -> None:
-        cache.add_sequence(seq_id, [rng.randrange(2, 100) for _ in range(length)])  # no prefix: random tokens
-        grow(seq_id, length)
-        live.append(seq_id)
-
-    def filler() -> None:  # a new sequence, which takes the blocks freed last (so they are not handed back)
-        start(next(ids), 12)
-
-    for _ in range(8):
-        start(next(ids), rng.randint(1, 30))
-    events = []
-    for step in range(300):
-        event, seq_id = rng.choice(["fork", "grow", "truncate", "regrow", "restart"] + ["none"] * 10), rng.choice(live)
-        count = cache.num_tokens(seq_id)
-        if event == "fork" and len(live) < 10:  # a fork shares its parent's blocks, the partly filled one too
-            child = next(ids)
-            cache.fork(seq_id, child)
-            live.append(child)
-        elif event == "grow":
-            grow(seq_id, rng.randint(2, 9))
-        elif event == "truncate" and count > 8:  # as a rejected speculation does
-            cache.truncate(seq_id, count - rng.randint(1, 6))
-        elif event == "regrow" and count > 8:  # the same length again, on other blocks
-            cache.truncate(seq_id, count - 8)
-            filler()
-            grow(seq_id, 8)
-        elif event == "restart":  # the id ends and starts again at the same length, on other blocks
-            cache.free(seq_id)
-            live.remove(seq_id)
-            filler()
-            start(seq_id, count)
-        events.append(event)
-        while len(live) > 10:  # the oldest leave
-            cache.free(live.pop(0))
-        rows = rng.sample(live, rng.randint(1, len(live)))  # this step's rows, in any order
-        tokens = [rng.choice([rng.randrange(2, 100), -1 - rng.randrange(12)]) for _ in rows]  # ids, placeholders
-        cache.allocate_slots(rows, [1] * len(rows))
-        tables = [cache.block_tables[i] for i in rows]
-        size, width = graphs.fill_inputs(rows, tokens)
-        want = step_rows(tables, [[t] for t in tokens], T=1)
-        for b, (row, table) in enumerate(zip(want, tables)):
-            read = TABLE + cdiv(table.num_tokens + 1, cache.block_size)  # the columns the kernels read
-            assert width >= read
-            assert graphs.staging[b, :read].tolist() == row[:read], f"step {step}, row {b} (after {events[-3:]})"
-        for b in range(len(rows), size):
-            assert graphs.staging[b, : TABLE + 1].tolist() == graphs.pad_row, f"step {step}: padding row {b}"
-        cache.commit(tables, [[t] for t in tokens])
-    assert {"fork", "grow", "truncate", "regrow", "restart"} <= set(events)
 
 
 @interpreter_only

@@ -494,9 +494,9 @@ def test_the_engine_samples_plain_greedy_steps_through_the_kernels(monkeypatch):
     constrained.constraint = object()
     assert not model_runner.plain_greedy([constrained], logits)
     runner = SimpleNamespace(_constrain=model_runner.ModelRunner._constrain)  # sample() needs nothing else
-    fast = model_runner.ModelRunner.sample(runner, seqs, logits).read()
+    fast = list(model_runner.ModelRunner.sample(runner, seqs, logits).read())
     monkeypatch.setattr(model_module, "_triton_kernels_run", lambda x: False)  # PyTorch, as before
-    slow = model_runner.ModelRunner.sample(runner, seqs, logits).read()
+    slow = list(model_runner.ModelRunner.sample(runner, seqs, logits).read())
     assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
     for f, s in zip(fast, slow):
         assert f.logprobs == pytest.approx(s.logprobs, abs=1e-5) and f.top_logprobs == s.top_logprobs == [{}]

@@ -182,3 +182,19 @@ def test_no_public_name_is_also_a_module_of_the_package():
                      if (ROOT / "minillm" / name).is_dir() or (ROOT / "minillm" / f"{name}.py").is_file())
     assert not clashes, f"public names of minillm that are also its modules: {clashes}; rename the module"
     assert "sample" in minillm.__all__, "the check must see the public names"
+
+
+def test_one_input_builder_and_a_graph_runner():
+    """A step's input columns are written in one module, `minillm.engine.step_inputs`: the graph runner and the
+    compiled step copy its rows and never fill one (no column name of a decode row in them), and `cuda_graphs.py`
+    stays the graph runner alone (capture, buffers, replay: at most 200 lines, mini-sglang's is 171)."""
+    engine = ROOT / "minillm" / "engine"
+    for name in ("cuda_graphs.py", "compiled_step.py", "model_runner.py", "kv_cache.py", "llm_engine.py"):
+        tree = ast.parse((engine / name).read_text())
+        used = sorted({node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+                      & {"POSITION", "SLOT", "SEQ_LEN", "staging"})
+        assert not used, f"engine/{name} writes a step's columns itself ({used}): build rows in step_inputs"
+    lines = len((engine / "cuda_graphs.py").read_text().splitlines())
+    assert lines <= 200, f"engine/cuda_graphs.py has {lines} lines: keep it the graph runner alone (<= 200)"
+    builder = ast.parse((engine / "step_inputs.py").read_text())
+    assert {"POSITION", "SLOT", "SEQ_LEN"} <= {n.id for n in ast.walk(builder) if isinstance(n, ast.Name)}

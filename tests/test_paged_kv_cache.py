@@ -506,12 +506,12 @@ def test_task_4_view_refuses_misuse_with_clear_messages(model):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_task_4_packed_prompt_chunks_give_the_padded_batchs_logits_and_cache(model, kv_cache_dtype):
-    """Prompt chunks packed side by side in one row (`packed_forward`, chapter 05) against the same chunks as a
-    left-padded batch (`paged_forward`): three sequences of different lengths, then a second chunk of each, whose
-    queries are the last of keys the cache already holds. Each sequence's last logits agree within 1e-5 (the
+    """Prompt chunks packed side by side in one row (`paged_forward(packed=True)`, chapter 05) against the same
+    chunks as a left-padded batch (`paged_forward`): three sequences of different lengths, then a second chunk of
+    each, whose queries are the last of keys the cache already holds. Each sequence's last logits agree within 1e-5 (the
     matmuls see a different shape, [1, N] against [B, T], so the summation order may differ), and every layer
     holds the same keys and values (an int8 cache: the same codes and scales)."""
-    from minillm.engine.model_runner import packed_forward, paged_forward
+    from minillm.engine.model_runner import paged_forward
 
     rng = random.Random(7)
     vocab = model.config.vocab_size
@@ -522,7 +522,7 @@ def test_task_4_packed_prompt_chunks_give_the_padded_batchs_logits_and_cache(mod
             cache.add_sequence(i)
     for step, new in enumerate(chunks):
         padded = paged_forward(model, caches[0], [0, 1, 2], new)
-        packed = packed_forward(model, caches[1], [0, 1, 2], new)
+        packed = paged_forward(model, caches[1], [0, 1, 2], new, packed=True)
         assert packed.shape == padded.shape == (3, vocab)
         torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5, msg=lambda m, s=step: f"chunk {s}: {m}")
     for i in range(3):
@@ -533,16 +533,21 @@ def test_task_4_packed_prompt_chunks_give_the_padded_batchs_logits_and_cache(mod
 
 
 def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(model, monkeypatch):
-    """The engine's prompt chunks go through `packed_forward` (one row, no padding); greedy outputs are those of the
-    same engine with packing off. A model with a sliding window is not packed (a packed step attends causally within
-    each sequence, without a window), and a packed view refuses a window."""
+    """The engine's prompt chunks go through `paged_forward(packed=True)` (one row, no padding); greedy outputs are
+    those of the same engine with packing off. A model with a sliding window is not packed (a packed step attends
+    causally within each sequence, without a window), and a packed view refuses a window."""
     from minillm.engine import LLM, LLMEngine, model_runner
     from minillm.model import Transformer
 
     calls = []
-    real = model_runner.packed_forward
-    monkeypatch.setattr(model_runner, "packed_forward",
-                        lambda m, c, ids, toks, **k: calls.append(len(ids)) or real(m, c, ids, toks, **k))
+    real = model_runner.paged_forward
+
+    def spy(m, c, ids, toks, packed=False, **k):  # noqa: ANN001, ANN003, ANN202
+        if packed:
+            calls.append(len(ids))
+        return real(m, c, ids, toks, packed=packed, **k)
+
+    monkeypatch.setattr(model_runner, "paged_forward", spy)
     prompts = random_prompts(11, 6, model.config.vocab_size, max_len=60)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
@@ -568,7 +573,7 @@ def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch(monkeypat
     with a mask: bf16 logits within bf16's rounding."""
     import minillm.kernels
 
-    from minillm.engine.model_runner import packed_forward, paged_forward
+    from minillm.engine.model_runner import paged_forward
 
     kernel, calls = minillm.kernels.flash_attention_varlen, []
     monkeypatch.setattr(minillm.kernels, "flash_attention_varlen", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
@@ -583,7 +588,7 @@ def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch(monkeypat
             cache.add_sequence(i)
     for new in chunks:
         padded = paged_forward(gpu_model, caches[0], [0, 1, 2], new).float()
-        packed = packed_forward(gpu_model, caches[1], [0, 1, 2], new).float()
+        packed = paged_forward(gpu_model, caches[1], [0, 1, 2], new, packed=True).float()
         torch.testing.assert_close(packed, padded, atol=0.1, rtol=0.05)
         assert (packed.argmax(-1) == padded.argmax(-1)).float().mean() >= 2 / 3
     assert len(calls) == 2 * gpu_model.config.n_layers  # one launch per layer and forward

@@ -3,9 +3,11 @@
     sequence.py       Sequence: one completion's whole state (tokens, params, generator, text, stop and DFA state)
     scheduler.py      Scheduler: which sequences run in the next forward, and how many of their tokens
     block_manager.py  BlockAllocator, BlockTable, prefix-cache hashes: which block holds what (no tensors)
-    kv_cache.py       PagedKVCache: the pools; StepInputs: a step's inputs, built once; PagedCacheView
-    model_runner.py   ModelRunner: the one place a step runs the model (eager or CUDA graphs) and samples
+    kv_cache.py       PagedKVCache: the pools; PagedCacheView: one forward's view of them
+    step_inputs.py    StepInputBuilder: the one place a step's inputs are computed (decode rows kept)
+    model_runner.py   ModelRunner: the one place a step runs the model (eager, CUDA graphs, compiled) and samples
     cuda_graphs.py    DecodeGraphs: decode steps captured once and replayed
+    compiled_step.py  CompiledDecode: the CPU's counterpart, a decode step compiled ahead of time
     draft_model.py    DraftModelDrafter: speculative decoding's draft model, on a paged cache of its own (chapter 07)
     engine_config.py  EngineConfig: every setting of an engine but the model and tokenizer, in one object
     llm_engine.py     LLMEngine: step = schedule -> run -> postprocess; LLM: offline batch inference

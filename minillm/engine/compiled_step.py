@@ -1,11 +1,11 @@
 """The CPU's compiled decode step: exported once, compiled ahead of time, called with no Python inside (chapter 02).
 
-`DecodeGraphs(capture=False, compile=True)` runs the decode step as a `CompiledStep`: the step (a module over
-the step's input rows and the KV pools) is traced once by `torch.export`, and AOTInductor compiles the traced
+`CompiledDecode` runs the decode step as a `CompiledStep`: the step (`DecodeStep`, a module over the step's
+input rows and the KV pools) is traced once by `torch.export`, and AOTInductor compiles the traced
 graph into a shared library of C++ loops and library calls (`torch._inductor.aoti_compile_and_package`). It is
 the CPU's counterpart of a CUDA graph: one call runs the whole step, with nothing in Python between the ~70
 loops and matrix products. It is compiled once per model, thread count and KV-cache layout, for batch 1 and
-again for larger batches (`DecodeGraphs.compiled_step`), in 14-22 s for the shipped model on this book's CPU.
+again for larger batches (`CompiledDecode.compiled_step`), in 14-22 s for the shipped model on this book's CPU.
 
 Why not `torch.compile`, which compiles the same graph with the same Inductor? Because every call of a
 `torch.compile`d function first runs Python: Dynamo checks its guards (484 here: is this still the same model,
@@ -13,15 +13,16 @@ the same shapes, the same global state?), gathers the ~50 weights and pools the 
 they live on, and wraps the call. Timed ad hoc on this book's 2-core CPU (not in a results file), that was
 0.22-0.29 ms of a 1.8-3.0 ms step of the shipped model, and the ahead-of-time step ran faster still (2.34
 against 2.79 ms at one thread, for reasons we have not found); the benchmark's A/B is in
-`results/cpu_decode_cpu_ab_*.json`. The exported step takes its weights once, as constants (our own tensors,
-not copies: `user_managed`), and checks nothing per call. `DecodeGraphs` checks once per engine the weights
-(the same tensors), the pools' layout and the thread count; the input sizes are right by construction (it cuts
-them from its own buffer), and nothing checks them per call.
+`results/cpu_decode/archive/cpu_decode_cpu_ab_*.json`. The exported step takes its weights once, as constants
+(our own tensors, not copies: `user_managed`), and checks nothing per call. `CompiledDecode` checks once per
+engine the weights (the same tensors), the pools' layout and the thread count; the input sizes are right by
+construction (it cuts them from its own buffer), and nothing checks them per call.
 
 One change to how Inductor lowers it: at batch 1 every linear layer is a matrix-vector product, and the time
 of a step is the time to stream the weights through it. Inductor hands each product to PyTorch's own kernels
 (`aten.mm`), which stream fp32 weights at about 21 GB/s on one core of this book's CPU but bf16 weights at
-only about 9 GB/s (`matvec_1_thread` in `results/cpu_decode_cpu.json`): half the bytes, yet slower than fp32.
+only about 9 GB/s (`matvec_1_thread` in `results/cpu_decode/archive/cpu_decode_cpu.json`): half the bytes, yet
+slower than fp32.
 So for 16-bit weights and one row, we lower the product ourselves, as what it is: for each output, a sum over
 the inputs of x[k] * w[n, k], each weight widened to fp32 as it is read. Written as a multiply and a sum,
 Inductor generates that loop itself in C++ with vector instructions, reading the weights once in their own 16
@@ -36,12 +37,18 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
 
 import torch
+
+from minillm.engine.cuda_graphs import DecodeGraphs
+from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
+from minillm.engine.step_inputs import TABLE
+from minillm.model import Transformer
 
 log = logging.getLogger("minillm")
 aten = torch.ops.aten
@@ -114,3 +121,96 @@ class CompiledStep:
 
     def __call__(self, args: list[torch.Tensor]) -> torch.Tensor:
         return self.run(list(args))[0]
+
+
+class DecodeStep(torch.nn.Module):
+    """The decode step as a module for `torch.export`: the model over rows `inputs` [B, TABLE + blocks] (one token
+    each, as `PagedCacheView.of_decode_rows` reads them), with the KV pools as arguments, not as attributes of one
+    cache, so that one compiled step serves every cache of the same layout. Returns logits [B, vocab].
+
+    `pools`: `PagedKVCache.all_pools()`: every layer's K pool, then every layer's V pool, then (8-bit caches) the K
+    and V scale pools.
+    """
+
+    def __init__(self, model: Transformer, block_size: int, dtype: torch.dtype, n_layers: int,
+                 quantized: bool) -> None:
+        super().__init__()
+        self.model, self.block_size, self.dtype, self.n_layers, self.quantized = (model, block_size, dtype,
+                                                                                  n_layers, quantized)
+
+    def layer_pools(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """What `PagedKVCache.layer_pools` gives, from the pools of this call."""
+        k, v = self._pools[layer], self._pools[self.n_layers + layer]
+        if not self.quantized:
+            return (k, None), (v, None)
+        return (k, self._pools[2 * self.n_layers + layer]), (v, self._pools[3 * self.n_layers + layer])
+
+    def forward(self, inputs: torch.Tensor, *pools: torch.Tensor) -> torch.Tensor:
+        self._pools = pools
+        key_range = (inputs.shape[1] - TABLE) * self.block_size
+        view = PagedCacheView.of_decode_rows(self, inputs, key_range, in_pytorch=True)  # PyTorch, for Inductor to fuse
+        return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
+
+
+class CompiledDecode(DecodeGraphs):
+    """Decode steps on a CPU, run as a step compiled ahead of time over `DecodeGraphs`' fixed buffers (chapter 02).
+
+    The CPU's counterpart of a CUDA graph. The step (`DecodeStep`) is pure tensor work over the input rows and the
+    pools (the bookkeeping stays outside it); `torch.export` traces it once and AOTInductor compiles it to C++
+    loops and library calls (`CompiledStep`), once per process for batch 1 and once for larger batches, shared by
+    the model's engines. The block tables' width is a dynamic dimension, so attention reads only the keys the
+    step's longest sequence holds. The first step pays the compile. Same arguments as `DecodeGraphs`, without
+    `capture`.
+    """
+
+    # Compiled steps, per model: {layout: (the model's tensors then, CompiledStep)}. Each is compiled once per
+    # process, for batch 1 or for any batch above 1, and shared by every engine of the model (`generate` makes one
+    # per call) while the model's weights are the same tensors, the pools of the same layout, and the thread count
+    # the same (Inductor's loops are built for the count they were compiled under).
+    compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # The rows are the buffer cut to the step's widest table. One spare column keeps the cut narrower than a row at
+    # every width: a cut of whole rows is contiguous, which the traced code treats as a case of its own, and
+    # torch.export refuses a dynamic width that could reach it ("width != max").
+    spare_columns = 1
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int,
+                 max_seq_len: int | None = None) -> None:
+        super().__init__(model, cache, max_batch, max_seq_len, capture=False)
+        self.pools = cache.all_pools()  # the compiled step's inputs, after the rows
+        self.steps: dict[bool, Callable[[list[torch.Tensor]], torch.Tensor]] = {}  # batch > 1 -> compiled step
+
+    def longest_sequence(self, max_seq_len: int | None) -> int:
+        """Tables as wide as the model's context whatever the pool, so that the compiled step fits every engine."""
+        ctx = self.model.config.max_seq_len
+        return min(max_seq_len or ctx, ctx)
+
+    def compiled_step(self, size: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        """The compiled step for a batch of `size` rows (one for batch 1, one for any larger batch): found among
+        those compiled for this model, or compiled now (seconds)."""
+        many = size > 1
+        if many in self.steps:
+            return self.steps[many]
+        tensors = [(name, t.data_ptr(), t.dtype, t.shape) for name, t in (*self.model.named_parameters(),
+                                                                           *self.model.named_buffers())]
+        layout = (many, torch.get_num_threads(), self.cache.block_size, self.inputs.shape[1],
+                  tuple((pool.dtype, pool.shape[1:]) for pool in self.pools))
+        known = CompiledDecode.compiled_steps.setdefault(self.model, {})
+        if layout not in known or known[layout][0] != tensors:
+            inputs = self.inputs[: 2 if many else 1, : TABLE + 2]
+            blocks = torch.export.Dim("blocks", min=2)  # pools vary with the engine (generate sizes its pool)
+            rows_shape = {0: torch.export.Dim("batch", min=2)} if many else {}  # 2 .. any: 1 is the other step
+            if self.max_blocks > 2:  # the tables' width: the step's longest sequence
+                rows_shape[1] = torch.export.Dim("width", min=TABLE + 2, max=TABLE + self.max_blocks)
+            shapes = (rows_shape, tuple({0: blocks} for _ in self.pools))  # forward(inputs, *pools)
+            step = DecodeStep(self.model, self.cache.block_size, self.cache.dtype, len(self.cache.k),
+                              self.cache.quantized)
+            known[layout] = (tensors, CompiledStep(step, (inputs, *self.pools), shapes))
+        self.steps[many] = known[layout][1]
+        return self.steps[many]
+
+    def replay(self, size: int, width: int, n: int) -> torch.Tensor:
+        """The compiled step over the rows cut to this step's widest table, so that attention reads only the keys
+        it covers. Tables of one block read two (a compiled size of 1 would be fixed, not free): the second
+        column's stale block id is masked."""
+        inputs = self.inputs[:size, : max(width, TABLE + 2)]
+        return self.compiled_step(size)([inputs, *self.pools])[:n]

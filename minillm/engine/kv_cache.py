@@ -17,13 +17,14 @@ The bookkeeping (which block holds what: `BlockAllocator`, `BlockTable`, prefix-
 
 * `PagedKVCache`: the pools and the block tables by sequence id (`add_sequence`, `fork`, `free`,
   `truncate`), and `prepare`, which allocates the blocks one forward needs and returns its `PagedCacheView`.
-* `StepInputs`: a forward's inputs (tokens, positions, slots, context lengths, block tables) as one
-  int64 tensor copied to the device once. It is the ONE input builder: the eager forward, the CUDA
-  graphs' replay (`minillm.engine.cuda_graphs`), speculative verification, beam search and the
-  drafter all get their step's inputs from it.
+* `cache.builder`, the cache's `minillm.engine.step_inputs.StepInputBuilder`: the ONE input builder. Every
+  forward's inputs (tokens, positions, slots, context lengths, block tables) come from it as one int64 tensor
+  copied to the device once: the eager forward, the CUDA graphs' replay (`minillm.engine.cuda_graphs`), the
+  compiled CPU step, speculative verification, beam search and the drafter.
 * `PagedCacheView`: one forward's view of the cache, the per-step context. It answers
   `minillm.model.CacheView`, so the model's one `forward` runs on it exactly as on the contiguous
-  `KVCache`, for sequences of different lengths in one batch.
+  `KVCache`, for sequences of different lengths in one batch; `PagedCacheView.of_decode_rows` is the same
+  view over a captured (or compiled) decode step's fixed buffer.
 * `store_kv` writes keys and values to their slots; the reference paged read, every sequence's keys
   (or values) gathered through its block table into a dense tensor, is `minillm.kernels.gather_kv`,
   beside the paged decode kernel it is the reference of.
@@ -52,17 +53,14 @@ that doubles the batch a memory budget holds), so `num_blocks_for_memory` gives 
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-import numpy as np
 import torch
 
 from minillm.config import ModelConfig
 from minillm.engine.block_manager import (
     BLOCK_SIZE,
-    PAD_SLOT,
     BlockAllocator,
     BlockTable,
     NoFreeBlocksError,
@@ -70,6 +68,7 @@ from minillm.engine.block_manager import (
     lora_root_hash,
     prefix_block_hashes,
 )
+from minillm.engine.step_inputs import StepInputBuilder, StepInputs
 from minillm.model import PackedPrefill, PagedDecode, attention_mask, use_triton_attention
 from minillm.quant.kv import (
     allocate_pools,
@@ -143,6 +142,7 @@ class PagedKVCache:
         # K, V codes of `shape`; fp32 scales [num_blocks, block_size, n_kv_heads] per layer when quantised, else None
         self.k, self.v, self.k_scale, self.v_scale = allocate_pools(config.n_layers, shape, storage, device)
         self.block_tables: dict[Hashable, BlockTable] = {}
+        self.builder = StepInputBuilder(block_size)  # every forward's inputs over this cache (decode rows kept)
 
     @property
     def device(self) -> torch.device:
@@ -233,7 +233,7 @@ class PagedKVCache:
         keep_blocks = cdiv(num_tokens, bs)
         for block in reversed(table.block_ids[keep_blocks:]):
             self.allocator.free(block)
-        table.block_ids = table.block_ids[:keep_blocks]  # a new list: DecodeGraphs rewrites the row of a new one
+        table.block_ids = table.block_ids[:keep_blocks]  # a new list: the input builder rewrites its row
         del table.token_ids[num_tokens:]
         full = num_tokens // bs
         if len(table.block_hashes) > full:
@@ -343,6 +343,16 @@ class PagedKVCache:
             table.token_ids.extend(new)
             self._name_full_blocks(table)
 
+    def commit_decode(self, tables: Sequence[BlockTable], token_ids: Sequence[int]) -> None:
+        """`commit` for one new token per table (a decode step), in one pass: a table is looked at for the prefix
+        cache only when its token fills a block (a block left waiting for a token in flight is named by
+        `resolve_token`)."""
+        bs = self.block_size
+        for table, token in zip(tables, token_ids):
+            table.token_ids.append(int(token))
+            if table.num_tokens % bs == 0:
+                self._name_full_blocks(table)
+
     def _name_full_blocks(self, table: BlockTable) -> None:
         """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token
         still in flight (a negative placeholder, async scheduling) waits, and the blocks after it, until
@@ -366,76 +376,6 @@ class PagedKVCache:
             return
         table.token_ids[position] = token
         self._name_full_blocks(table)
-
-
-def step_rows(tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]], T: int) -> list[list[int]]:
-    """The rows of one forward's inputs, on the host: the one place a step's inputs are computed (chapter 04).
-
-    Row b is for the sequence whose block table is tables[b], with token_ids[b] new tokens after the
-    table's num_tokens cached ones, LEFT-padded to T columns (so column T - 1 is every row's last new
-    token, the one whose logits choose the next token). Its columns:
-
-        [0, T)           the new token ids, 0 in padding
-        [T, 2T)          their positions (context_len, context_len + 1, ...), 0 in padding
-        [2T, 3T)         their slots: where their keys and values are written, PAD_SLOT (-1) in padding
-        3T               the keys the row attends to: context_len + its number of new tokens
-        3T + 1 ...       its block table (rows differ in length: `StepInputs.build` pads them with block 0)
-
-    The blocks for the new tokens must be allocated already (`PagedKVCache.allocate_slots`).
-    """
-    if T == 1:  # a decode step, the hot path (every row one token): the same columns, written out directly
-        return [[int(new[0]), t.num_tokens, t.slot(t.num_tokens), t.num_tokens + 1, *t.block_ids]
-                for t, new in zip(tables, token_ids)]
-    rows = []
-    for table, new in zip(tables, token_ids):
-        c, pad = table.num_tokens, T - len(new)
-        positions = range(c, c + len(new))
-        rows.append([0] * pad + [int(t) for t in new] + [0] * pad + list(positions)
-                    + [PAD_SLOT] * pad + [table.slot(p) for p in positions] + [c + len(new)] + table.block_ids)
-    return rows
-
-
-def rows_to_tensor(rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
-    """Ragged rows of ints, each padded with 0 to `width`, as one int64 tensor [len(rows), width] on the host.
-
-    Through numpy: `torch.tensor` on nested lists converts them element by element, about 6x slower (for a
-    step of 256 rows with their block tables, about 1.9 ms against 0.3 on this book's CPU).
-    """
-    return torch.from_numpy(np.array([list(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64))
-
-
-class StepInputs:
-    """One forward's inputs on the device: views of one int64 tensor [B, 3T + 1 + M] (columns: `step_rows`).
-
-        tokens        [B, T] the new token ids          position_ids  [B, T] their positions
-        slot_mapping  [B, T] their slots                seq_lens      [B] int32, the keys each row attends to
-        block_tables  [B, M] each row's blocks
-
-    One tensor, so one host-to-device copy per step, however many inputs the step has. The CUDA graphs
-    of `minillm.engine.cuda_graphs` keep one such tensor at a fixed address and copy each step's rows into it.
-    """
-
-    def __init__(self, data: torch.Tensor, T: int) -> None:
-        self.data, self.T = data, T
-        self.tokens = data[:, :T]
-        self.position_ids = data[:, T : 2 * T]
-        self.slot_mapping = data[:, 2 * T : 3 * T]
-        self.block_tables = data[:, 3 * T + 1 :]
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """[B] int32, the keys each row attends to: only the paged kernel reads it, so it is cast when asked for
-        (inside a CUDA graph's recording, the cast is recorded with the step)."""
-        return self.data[:, 3 * self.T].to(torch.int32)
-
-    @classmethod
-    def build(cls, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
-              device: torch.device | str) -> StepInputs:
-        """The inputs of a forward of token_ids[b] after what tables[b] holds (`step_rows`), on `device`."""
-        T = max(len(new) for new in token_ids)
-        rows = step_rows(tables, token_ids, T)
-        width = max(len(r) for r in rows)
-        return cls(to_device(rows_to_tensor(rows, width), None, device), T)  # the host does not wait
 
 
 class PagedCacheView:
@@ -462,8 +402,33 @@ class PagedCacheView:
         self, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable], token_ids: list[list[int]]
     ) -> None:
         self.cache, self.seq_ids, self.tables, self.token_ids = cache, seq_ids, tables, token_ids
-        self._set_inputs(StepInputs.build(tables, token_ids, cache.device), [t.num_tokens for t in tables],
-                         [len(new) for new in token_ids])
+        self._set_inputs(cache.builder.build(seq_ids, tables, token_ids, cache.device),
+                         [t.num_tokens for t in tables], [len(new) for new in token_ids])
+
+    @classmethod
+    def of_decode_rows(cls, cache: PagedKVCache, rows: torch.Tensor, key_range: int,
+                       in_pytorch: bool = False) -> PagedCacheView:
+        """The view of a captured (or compiled) decode step over fixed rows [B, TABLE + blocks] (columns of
+        `minillm.engine.step_inputs`), whatever they hold when the step runs.
+
+        Nothing in it is read on the host: its tensors are slices of `rows`, made once, inside the recording, so
+        that each replay reads the buffer as it is then. Attention always reads the pools through the tables
+        (`PagedDecode`) over `key_range` keys, the longest context the step allows (chunks of keys past a row's
+        length are skipped inside the kernel); `in_pytorch` reads them in PyTorch instead of the Triton kernel
+        (the compiled CPU step). The fused rotary kernel may write the new keys and values itself
+        (`fused_write_target`). `advance` has nothing to commit: the runner commits the tokens outside the step.
+        `cache` may be any object with `layer_pools` and `dtype` (the compiled step passes its own pools).
+        """
+        view = cls.__new__(cls)
+        view.cache, view.seq_ids, view.tables, view.token_ids = cache, [], [], []
+        view.inputs = step = StepInputs(rows, T=1)
+        view.T, view.tokens, view.position_ids = 1, step.tokens, step.position_ids
+        view.slot_mapping, view.block_tables = step.slot_mapping, step.block_tables
+        view.write_slots = step.slot_mapping[:, 0].contiguous()  # [B]
+        view.padded, view.write_rows, view.read_pools, view._read_slots, view.done = False, None, True, None, False
+        view.max_seq_len = key_range
+        view.fixed = PagedDecode(step.block_tables, step.seq_lens, key_range, cache.dtype, in_pytorch)
+        return view
 
     def _set_inputs(self, inputs: StepInputs, context_lens: list[int], num_new: list[int]) -> None:
         """Everything the forward reads, from the step's inputs and each row's cached and new token counts (a
@@ -486,6 +451,7 @@ class PagedCacheView:
             self.write_slots = self.write_slots.index_select(0, self.write_rows)
         self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
         self._read_slots: torch.Tensor | None = None
+        self.fixed: PagedDecode | None = None  # a captured decode step's attention (`of_decode_rows`)
         self.done = False
 
     # ---------------------------------------------------------------- the CacheView interface
@@ -505,6 +471,8 @@ class PagedCacheView:
         reads the pools through the block tables with the paged Triton kernel, and nothing is gathered;
         a quantised cache's 8-bit pools too, with their scales (chapter 06): the kernel dequantises as it reads.
         """
+        if self.fixed is not None:
+            return self.fixed
         pool = self.cache.k[0]
         # what attention computes in: the pool's dtype, or the model's for a quantised cache's 8-bit codes
         computed = pool if not self.cache.quantized else pool.new_empty(0, dtype=self.cache.dtype)
@@ -544,6 +512,20 @@ class PagedCacheView:
             out.append(read.view(B, S, H, d).transpose(1, 2))
         return out[0], out[1]
 
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s key and value pools as the paged kernel reads them (`QuantizedPool`s for an 8-bit cache)."""
+        (k, k_scale), (v, v_scale) = self.cache.layer_pools(layer)
+        return kernel_pool(k, k_scale), kernel_pool(v, v_scale)
+
+    def fused_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_pool, v_pool, slots [B]) for the fused rotary kernel to write a captured decode step's keys and values
+        itself (`minillm.kernels.fused_rotary`'s `cache`; attention then reads `pools`); None where it does not: an
+        eager step (its `update` writes them), an 8-bit cache (codes and scales), the compiled CPU step (no Triton)."""
+        if self.fixed is None or self.fixed.in_pytorch:
+            return None
+        (k, k_scale), (v, _) = self.cache.layer_pools(layer)
+        return None if k_scale is not None else (k, v, self.write_slots)
+
     def read_slots(self) -> torch.Tensor:
         """[B, S] the flat slot of each row's positions 0..S-1 (S = max(seq_lens)): where `update` reads.
 
@@ -561,7 +543,8 @@ class PagedCacheView:
         if self.done:
             raise RuntimeError("this step was already run: prepare a new one for the next forward.")
         self.done = True
-        self.cache.commit(self.tables, self.token_ids)
+        if self.tables:  # a captured step's view (`of_decode_rows`) has none: its runner commits outside the step
+            self.cache.commit(self.tables, self.token_ids)
 
 
 class PackedCacheView(PagedCacheView):
@@ -589,24 +572,13 @@ class PackedCacheView(PagedCacheView):
         self.context_lens = [t.num_tokens for t in tables]
         self.num_new = [len(new) for new in token_ids]
         self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
-        n_total = sum(self.num_new)
-        positions = [p for c, n in zip(self.context_lens, self.num_new) for p in range(c, c + n)]
-        write = [t.slot(p) for t, c, n in zip(tables, self.context_lens, self.num_new) for p in range(c, c + n)]
-        read = [t.slot(p) for t, s in zip(tables, self.seq_lens) for p in range(s)]
-        q_starts = tuple(itertools.accumulate(self.num_new, initial=0))
-        k_starts = tuple(itertools.accumulate(self.seq_lens, initial=0))
-        data = to_device([t for new in token_ids for t in new] + positions + write + read
-                         + [q - 1 for q in q_starts[1:]] + list(q_starts + k_starts), torch.int64, cache.device)
-        self.T = n_total
-        self.tokens = data[:n_total][None]  # [1, N]
-        self.position_ids = data[n_total: 2 * n_total][None]  # [1, N]
-        self.write_slots = data[2 * n_total: 3 * n_total]  # [N]
-        self._read_slots = data[3 * n_total: 3 * n_total + len(read)]  # [S]
-        P = len(token_ids)
-        self.last_rows = data[3 * n_total + len(read): 3 * n_total + len(read) + P]  # [P]
-        self.max_seq_len = len(read)  # `update` reads S keys for its one row
-        self.mask = PackedPrefill(q_starts, k_starts, data[3 * n_total + len(read) + P:])  # offsets: [2 (P + 1)]
-        self.padded, self.write_rows, self.read_pools, self.done = False, None, False, False
+        packed = cache.builder.packed(tables, token_ids, cache.device)
+        self.T = sum(self.num_new)
+        self.tokens, self.position_ids = packed.tokens, packed.position_ids  # [1, N] each
+        self.write_slots, self._read_slots, self.last_rows = packed.write_slots, packed.read_slots, packed.last_rows
+        self.max_seq_len = packed.read_slots.shape[0]  # `update` reads S keys for its one row
+        self.mask = PackedPrefill(packed.q_starts, packed.k_starts, packed.offsets)
+        self.padded, self.write_rows, self.read_pools, self.fixed, self.done = False, None, False, None, False
 
     def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill:
         if window is not None:

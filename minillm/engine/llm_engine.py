@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -440,9 +440,11 @@ class LLMEngine:
         if not plan.scheduled and self.inflight is None:
             return []
         # Decode rows that speculate get their tokens from the verify step; the rest from one sample each.
-        speculating, plain = [], []
-        for seq, n in plan.scheduled:
-            (speculating if self._speculates(seq, n) else plain).append((seq, n))
+        speculating, plain = [], plan.scheduled
+        if self.speculative is not None:
+            plain = []
+            for seq, n in plan.scheduled:
+                (speculating if self._speculates(seq, n) else plain).append((seq, n))
         verified = []
         if speculating:
             verified = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
@@ -450,65 +452,64 @@ class LLMEngine:
         logits = self._forward(plain) if plain else None  # queued on the device; the host goes on
         outputs = []
         if self.inflight is not None:  # the step before's tokens, read while this step's forward runs
-            outputs = self._append(self._read_inflight(), finished_only)
+            outputs = self._append(self._read_inflight(), finished_only, inflight=True)
         sampled = self._sample(plain, logits) if plain else None  # after that read: it may have finished rows
-        if sampled is not None and self.async_scheduling:
-            for row, seq in enumerate(sampled.seqs):
-                seq.num_inflight, seq.inflight_row = 1, row
+        if sampled is not None and self.async_scheduling:  # its rows' tokens stay in flight until the next step
             self.inflight = sampled
             return outputs
-        return outputs + self._append((sampled.read() if sampled is not None else []) + verified, finished_only)
+        return outputs + self._append([*(sampled.read() if sampled is not None else ()), *verified], finished_only)
 
     def _forward(self, scheduled: list[tuple[Seq, int]]) -> torch.Tensor:
         """Run the model over the scheduled rows' new tokens: logits [B, V] of each row's last one (on the device).
         A row's token still in flight is a placeholder, taken from the step before's tokens on the device."""
-        seqs = [s for s, _ in scheduled]
-        chunks = [s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
-        previous = self.inflight.tokens if self.inflight is not None else None
-        logits = self.model_runner.forward([s.seq_id for s in seqs], chunks,  # [B, V]: each row's last new token
-                                           [s.lora for s in seqs] if self.lora_slots is not None else None, previous)
-        for seq, n in scheduled:
+        ids, chunks, loras = [], [], []
+        for seq, n in scheduled:  # one pass: each row's id, its new tokens, its adapter; then they count as computed
+            ids.append(seq.seq_id)
+            chunks.append(seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n))
+            loras.append(seq.lora)
             seq.num_computed_tokens += n
-        return logits
+        previous = self.inflight.tokens if self.inflight is not None else None
+        return self.model_runner.forward(ids, chunks, loras if self.lora_slots is not None else None,
+                                         previous)  # [B, V]: each row's last new token
 
     def _sample(self, scheduled: list[tuple[Seq, int]], logits: torch.Tensor) -> StepTokens | None:
         """Sample one token for every row whose prompt is done (and that did not finish meanwhile). A row whose prompt
         just completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
-        rows, which = [], []
+        rows, which, reordered = [], [], False
         for i, (seq, _) in enumerate(scheduled):
             if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
-                rows.append(seq)
-                which.append(i)
-                if not seq.num_output_tokens:  # its prompt just completed: best_of > 1 forks now
-                    for child in self._fork(seq):
-                        rows.append(child)
-                        which.append(i)
+                family = [seq, *self._fork(seq)] if not seq.num_output_tokens else [seq]  # prompt done: best_of forks
+                for member in family:
+                    reordered |= i != len(which)
+                    if self.async_scheduling:  # its token stays on the device until the next step reads it
+                        member.num_inflight, member.inflight_row = 1, len(rows)
+                    rows.append(member)
+                    which.append(i)
         if not rows:
             return None
-        if which != list(range(len(logits))):  # (indexing by a list would copy it to the GPU from pageable memory)
+        if reordered or len(which) != len(logits):  # (indexing by a list would copy it from pageable memory)
             logits = logits.index_select(0, to_device(which, torch.long, logits.device))
         return self.model_runner.sample(rows, logits)
 
-    def _read_inflight(self) -> list[SampledTokens]:
-        """Async scheduling: wait for the step before's tokens, and make them the host's. Each token takes its place
-        in its block table (where it was a placeholder); the rows of sequences finished meanwhile are dropped."""
+    def _read_inflight(self) -> Iterator[SampledTokens]:
+        """Async scheduling: wait for the step before's tokens; its rows, for `_append(..., inflight=True)`."""
         sampled, self.inflight = self.inflight, None
-        results = []
-        for result in sampled.read():
-            seq = result.seq
-            seq.num_inflight = 0
-            if seq.is_finished:  # aborted, or finished by a token read before this one
-                continue
-            self.cache.resolve_token(seq.seq_id, seq.num_tokens, result.token_ids[0])
-            results.append(result)
-        return results
+        return sampled.read()
 
-    def _append(self, results: list[SampledTokens], finished_only: bool) -> list[RequestOutput]:
+    def _append(self, results: Iterable[SampledTokens], finished_only: bool,
+                inflight: bool = False) -> list[RequestOutput]:
         """Give each sequence its new tokens (stop rules applied: a finished sequence frees its blocks), and return
-        the outputs the caller asked for."""
+        the outputs the caller asked for. inflight: the tokens were on the device (async scheduling): each takes
+        its place in its block table (where it was a placeholder), and rows of sequences finished meanwhile are
+        dropped. One pass over the rows."""
         now = time.perf_counter()
         outputs = []
         for seq, tokens, logprobs, tops in results:
+            if inflight:
+                seq.num_inflight = 0
+                if seq.is_finished:  # aborted, or finished by a token read before this one
+                    continue
+                self.cache.resolve_token(seq.seq_id, seq.num_tokens, tokens[0])
             text_before = len(seq.text)
             new_ids = []
             for token, logprob, top in zip(tokens, logprobs, tops):

@@ -2,7 +2,8 @@
 
 The engine's step is schedule -> run -> postprocess. This module is the middle: given which sequences
 run and their new tokens, it makes the step's inputs (`PagedKVCache.prepare`, or the CUDA graphs'
-buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and turns logits into tokens:
+buffer: both from the cache's one input builder, `minillm.engine.step_inputs`), runs the model, and turns
+logits into tokens:
 
     forward(seq_ids, token_ids, loras, previous)
                                    the logits of each row's last new token, [B, vocab]:
@@ -15,13 +16,13 @@ buffer: both through `minillm.engine.kv_cache.step_rows`), runs the model, and t
     speculative_decode(seqs, ...)  chapter 07's step variant: draft, verify in one forward, roll back
 
 `paged_forward` is the eager forward itself, which beam search and the draft model (each with a cache
-of its own) call directly; `packed_forward` its packed variant for prompt chunks (no padding).
+of its own) call directly; with `packed=True`, prompt chunks side by side in one row (no padding).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -67,18 +68,21 @@ class StepTokens:
         if self.copied is not None:
             self.copied.record()
 
-    def read(self) -> list[SampledTokens]:
-        """Wait for the copy, then each row's token, its log-probability and its top alternatives as wanted."""
+    def read(self) -> Iterator[SampledTokens]:
+        """Wait for the copy (now), then each row's token, its log-probability and its top alternatives as wanted,
+        row by row as the caller's loop asks for them (so that the caller's pass is the only one)."""
         if self.copied is not None:
             self.copied.synchronize()
         tokens, chosen = self.host[0].tolist(), self.host[1].tolist()
         top_ids, top_values = (self.host[2].tolist(), self.host[3].tolist()) if self.k else ([], [])
-        out = []
-        for j, seq in enumerate(self.seqs):
-            k = seq.params.logprobs or 0
-            top = dict(zip(top_ids[j][:k], top_values[j][:k])) if k else {}
-            out.append(SampledTokens(seq, [tokens[j]], [chosen[j]], [top]))
-        return out
+        return (SampledTokens(seq, [tokens[j]], [chosen[j]], [self._top(seq, top_ids, top_values, j)])
+                for j, seq in enumerate(self.seqs))
+
+    @staticmethod
+    def _top(seq: Seq, top_ids: list[list[int]], top_values: list[list[float]], j: int) -> dict[int, float]:
+        """Row j's top alternatives, as many as its sequence asked for ({} for none)."""
+        k = seq.params.logprobs or 0
+        return dict(zip(top_ids[j][:k], top_values[j][:k])) if k else {}
 
 
 def plain_greedy(seqs: list[Seq], logits: torch.Tensor) -> bool:
@@ -94,7 +98,7 @@ def plain_greedy(seqs: list[Seq], logits: torch.Tensor) -> bool:
 @torch.inference_mode()
 def paged_forward(
     model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-    previous: torch.Tensor | None = None,
+    previous: torch.Tensor | None = None, packed: bool = False,
 ) -> torch.Tensor:
     """One eager forward of the model over new tokens of several sequences of `cache` (chapter 04).
 
@@ -102,26 +106,16 @@ def paged_forward(
     tokens may be mixed. Returns the logits of each sequence's last new token, [len(seq_ids), vocab]:
     what chooses its next token. `previous`: the step before's sampled tokens on the device, which
     placeholders among token_ids stand for (async scheduling, `minillm.engine.sequence.inflight_token`).
+
+    packed: the new tokens side by side in one row, [1, sum of lengths], instead of a left-padded batch [B, T]
+    (`minillm.engine.kv_cache.PackedCacheView`): no padding in any matrix multiply, the same logits. For prompt
+    chunks; not for a model with a sliding window.
     """
-    view = cache.prepare(seq_ids, token_ids)
+    view = cache.prepare(seq_ids, token_ids, packed=packed)
     if previous is not None:
         swap_inflight(view.tokens, previous)
-    return model(view.tokens, cache=view, last_only=True)[:, -1]
-
-
-@torch.inference_mode()
-def packed_forward(
-    model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-    previous: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`paged_forward` with the new tokens packed into one row, [1, sum of lengths], instead of a left-padded batch
-    (`minillm.engine.kv_cache.PackedCacheView`): no padding in any matrix multiply. The same logits, [len(seq_ids),
-    vocab], each sequence's last new token's, and the same `previous`. For prompt chunks; not for a model with a
-    sliding window."""
-    view = cache.prepare(seq_ids, token_ids, packed=True)
-    if previous is not None:
-        swap_inflight(view.tokens, previous)
-    return model(view.tokens, cache=view, last_only=True)[0]
+    logits = model(view.tokens, cache=view, last_only=True)  # [B, 1, V], or packed [1, P, V]
+    return logits[0] if packed else logits[:, -1]
 
 
 class ModelRunner:
@@ -137,7 +131,7 @@ class ModelRunner:
             capture fails, the runner logs why and runs eagerly.
         no_graphs_reason: a reason of the caller's to run eagerly (the engine's: speculative decoding).
         compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
-            (`DecodeGraphs(capture=False, compile=True)`): the CPU's counterpart of CUDA graphs, compiled at
+            (`minillm.engine.compiled_step.CompiledDecode`): the CPU's counterpart of CUDA graphs, compiled at
             the first decode step (seconds), then faster every step.
         tp: a `minillm.parallel.tensor.TensorParallel` group whose rank 0 this is (`model` is then rank 0's
             shard): every forward runs on all its ranks through `TensorParallel.forward` (chapter 08).
@@ -159,7 +153,7 @@ class ModelRunner:
             raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path: leave it off "
                              "here (on a GPU the engine replays decode steps as CUDA graphs by itself).")
         self.compile_decode = compile_decode
-        # Prompt chunks packed in one row (`packed_forward`), where the model and the group allow it.
+        # Prompt chunks packed in one row (`paged_forward(packed=True)`), where the model and the group allow it.
         self.packed_prompts = tp is None and model.config.sliding_window is None
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # CUDA graphs: captured now; the compiled CPU step: at first use
@@ -178,29 +172,33 @@ class ModelRunner:
         token: a 512-token prompt chunk beside 40 decodes would make 41 x 512 positions for 552 real tokens. So
         the rows computing one token (decodes) run as one forward [D, 1], replayed as a CUDA graph where one was
         captured, and the prompt chunks as another, packed side by side in one row [1, sum of their lengths]
-        (`packed_forward`: no padding at all) when their lengths differ (chunks of one length pad nothing, and
-        the rectangular batch, attention in one call, is then slightly faster). Packing needs per-sequence
+        (`paged_forward(packed=True)`: no padding at all) when their lengths differ (chunks of one length pad
+        nothing, and the rectangular batch, attention in one call, is then slightly faster). Packing needs per-sequence
         attention, which the decode graphs do not do, hence two forwards (vLLM packs every token of the step,
         decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
         adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
         """
-        decodes = [i for i, t in enumerate(token_ids) if len(t) == 1]
-        prompts = [i for i, t in enumerate(token_ids) if len(t) > 1]
+        decodes, prompts = [], []
+        for i, t in enumerate(token_ids):  # one pass: which rows compute one token
+            (decodes if len(t) == 1 else prompts).append(i)
         results = []
         for group in (decodes, prompts):
             if not group:
                 continue
-            ids = [seq_ids[i] for i in group]
-            names = [loras[i] for i in group] if loras is not None else []
-            tokens = [token_ids[i] for i in group]
+            if len(group) == len(seq_ids):  # the whole step (a decode-only step, most steps): no copies
+                ids, tokens, names = seq_ids, token_ids, loras or []
+            else:
+                ids = [seq_ids[i] for i in group]
+                names = [loras[i] for i in group] if loras is not None else []
+                tokens = [token_ids[i] for i in group]
             swap = {"previous": previous} if previous is not None else {}  # every path swaps placeholders alike
-            if any(name is not None for name in names):  # LoRA rows: eager, each row's slot set for this forward
+            if names and any(name is not None for name in names):  # LoRA rows: eager, each row under its adapter
                 with self.lora.rows(names):
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
                 rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
             elif group is prompts and self.packed_prompts and len({len(t) for t in tokens}) > 1:
-                rows = packed_forward(self.model, self.cache, ids, tokens, **swap)  # chunks of different lengths
+                rows = paged_forward(self.model, self.cache, ids, tokens, packed=True, **swap)  # lengths differ
             else:
                 rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             results.append(rows)
@@ -215,7 +213,9 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode graphs, captured (or compiled) on first use; None when the runner runs eagerly."""
         if self.graphs is None and self.compile_decode:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs, capture=False, compile=True)
+            from minillm.engine.compiled_step import CompiledDecode  # (torch.export and Inductor, when it compiles)
+
+            self.graphs = CompiledDecode(self.model, self.cache, self.max_num_seqs)
         if self.graphs is None and self.use_cuda_graphs:
             try:
                 self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs)

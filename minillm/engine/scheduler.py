@@ -199,6 +199,8 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Hashable] = []
         waiting: dict[Hashable, str] = {}
+        prefill_ids: set[Hashable] = set()  # the scheduled sequences still in their prompt
+        prefill = 0  # and their tokens this step
 
         # 1. Running sequences, oldest first; preempt the newest when a block is missing.
         i = 0
@@ -223,6 +225,9 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
+                if seq.is_prefill:
+                    prefill_ids.add(seq.seq_id)
+                    prefill += n
 
         # 2. Waiting sequences in arrival order (a preempted one first), while they fit. None after a
         #    preemption: memory is short, and admitting would only preempt again.
@@ -240,11 +245,12 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             scheduled.append((seq, n))
             budget -= n
+            if seq.is_prefill:
+                prefill_ids.add(seq.seq_id)
+                prefill += n
 
         self.steps += 1
         allocator = self.cache.allocator
-        prefill_ids = {s.seq_id for s, _ in scheduled if s.is_prefill}
-        prefill = sum(n for s, n in scheduled if s.seq_id in prefill_ids)
         return SchedulerOutput(self.steps, scheduled, preempted, waiting, self.max_num_batched_tokens - budget,
                                prefill, allocator.num_used_blocks, allocator.num_blocks, prefill_ids)
 

@@ -45,7 +45,8 @@ from torch import nn
 
 from minillm.checkpoints import materialize
 from minillm.config import ModelConfig
-from minillm.engine.kv_cache import PagedCacheView, PagedKVCache, StepInputs
+from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
+from minillm.engine.step_inputs import StepInputs
 from minillm.model import Transformer
 from minillm.parallel.workers import free_port, stop_workers
 
