@@ -13,14 +13,16 @@ tests)
       tests/test_lora.py tests/test_fused_kernels.py tests/test_engine.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 throughput)  # the commit before, then this tree with async scheduling off and on alternately; each after a full warm-up
   [ -e ab_baseline/minillm/kernels ] || ln -s "$PWD/ab_baseline/kernels" ab_baseline/minillm/kernels
+  mkdir -p ab_baseline/results/engine_throughput_ab  # the baseline's own common.py makes results/ only
   (cd ab_baseline && PYTHONPATH="$PWD" python3 benchmarks/engine_throughput_ab.py --full-warmup \
-      --modes default default default --name engine_throughput_ab_before) && cp ab_baseline/results/*.json "$OUT/"
+      --modes default default default --name before) && cp ab_baseline/results/engine_throughput_ab/before.json \
+      "$OUT/engine_throughput_ab_before.json"
   python3 benchmarks/engine_throughput_ab.py --full-warmup --modes sync async sync async sync async \
-      --name engine_throughput_ab_after && cp results/engine_throughput_ab_after.json "$OUT/" ;;
+      --name after && cp results/engine_throughput_ab/after.json "$OUT/engine_throughput_ab_after.json" ;;
 steps)  # batch 1 and 64, both shapes: replay, graph step, engine synchronous and async
-  python3 benchmarks/roofline.py --hf none --name roofline_cuda_async 2>&1 | tail -12
-  cp results/roofline_cuda_async.json "$OUT/" ;;
+  python3 benchmarks/roofline.py --hf none --name cuda_async 2>&1 | tail -12
+  cp results/roofline/cuda_async.json "$OUT/roofline_cuda_async.json" ;;
 transformers)  # against transformers' static batches of 64 in the same run
   python3 benchmarks/engine_throughput.py --hf-single 2 2>&1 | tail -8
-  cp results/engine_throughput_cuda.json "$OUT/" ;;
+  cp results/engine_throughput/cuda.json "$OUT/engine_throughput_cuda.json" ;;
 esac

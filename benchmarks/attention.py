@@ -11,7 +11,7 @@
 Every configuration is checked before it is timed (max |error| against SDPA, recorded beside the
 time). Timing is `triton.testing.do_bench` (median of repeated runs with an L2 flush between them).
 
-    python benchmarks/attention.py                   # writes results/attention_cuda.json
+    python benchmarks/attention.py                   # writes results/attention/cuda.json
     python benchmarks/attention.py --seqlens 512 1024 --head-dims 64   # a quick subset
 """
 
@@ -153,7 +153,7 @@ def main() -> None:
     print("fused add + RMSNorm", flush=True)
     norm_rows = bench_rmsnorm(args, fused_add_rms_norm, fused_add_rms_norm_reference, do_bench)
 
-    path = write_results("attention_cuda", {
+    path = write_results("attention/cuda", {
         "benchmark": "attention forward (Triton FlashAttention vs PyTorch SDPA vs naive) and fused add+RMSNorm",
         "settings": {k: (list(map(list, v)) if k == "norm_sizes" else v) for k, v in vars(args).items()},
         "flop_count": "4*B*H*T_q*T_k*D, halved for causal",

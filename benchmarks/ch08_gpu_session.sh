@@ -17,20 +17,20 @@ nccl)
       2>&1 | tail -60 | tee "$OUT/nccl_test.log" ;;
 disagg)
   (cd benchmarks && DUMP_AFTER=500 timeout 560 python3 disagg_interference.py 2>&1 | tee "$OUT/disagg.log")
-  cp results/disagg_interference_cuda*.json "$OUT/" 2>/dev/null ;;
+  cp results/disagg_interference/cuda*.json "$OUT/" 2>/dev/null ;;
 lora)
   (cd benchmarks && DUMP_AFTER=250 timeout 280 python3 lora_throughput.py 2>&1 | tail -20 | tee "$OUT/lora.log")
-  cp results/lora_throughput_cuda.json "$OUT/" 2>/dev/null ;;
+  cp results/lora_throughput/cuda.json "$OUT/" 2>/dev/null ;;
 parallel)
   (cd benchmarks && DUMP_AFTER=330 timeout 360 python3 pipeline_bubble.py --shape llama-1B --batch 64 \
       --microbatches 1 2 4 --tokens 32 --repeats 1 2>&1 | tail -14 | tee "$OUT/pp.log")
-  cp results/pipeline_bubble_cuda.json "$OUT/" 2>/dev/null ;;
+  cp results/pipeline_bubble/cuda.json "$OUT/" 2>/dev/null ;;
 tp)
   (cd benchmarks && DUMP_AFTER=200 timeout 240 python3 tensor_parallel.py --shape llama-1B --tp 1 2 --batch 8 64 \
       --name 1b_2gpu 2>&1 | tail -14 | tee "$OUT/tp.log")
-  cp results/tensor_parallel_cuda_1b_2gpu.json "$OUT/" 2>/dev/null ;;
+  cp results/tensor_parallel/cuda_1b_2gpu.json "$OUT/" 2>/dev/null ;;
 parity)
   (cd benchmarks && DUMP_AFTER=200 timeout 240 python3 parallel_parity.py 2>&1 | grep -v Warning | tail -8 \
       | tee "$OUT/parity.log")
-  cp results/parallel_parity_cuda.json "$OUT/" 2>/dev/null ;;
+  cp results/parallel_parity/cuda.json "$OUT/" 2>/dev/null ;;
 esac

@@ -61,8 +61,13 @@ def provenance() -> dict[str, Any]:
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
-    """Write results/NAME.json with the provenance header; return the path."""
-    RESULTS.mkdir(exist_ok=True)
+    """Write results/<name>.json with the provenance header; return the path.
+
+    The name is BENCHMARK/FILE: the script's own name, then the device and an optional qualifier, e.g.
+    "attention/cuda" or "phases/cuda_llama-3-8b" (the rule is in results/README.md). A chapter reads the
+    file back with `load_results(name)`; `python -m minillm.book.results_index` then updates the index.
+    """
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**provenance(), **results}, indent=2) + "\n")
     return path

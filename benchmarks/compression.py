@@ -14,7 +14,7 @@ Perplexity is `minillm.eval.perplexity(model, validation_ids(tokenizer), max_win
 first 64 windows of 256 tokens of the shipped validation sample (the model cards use 256 windows of
 the full validation split, so their numbers differ); agreement is over the same 64 windows.
 
-    python benchmarks/compression.py          # writes results/compression_cpu.json
+    python benchmarks/compression.py          # writes results/compression/cpu.json
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-seqs", type=int, default=32, help="Wanda's calibration windows of 256 tokens")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a shared 2-core machine a second thread stalls behind other jobs)")
-    parser.add_argument("--out", default="compression_cpu", help="results name")
+    parser.add_argument("--out", default="cpu", help="the results file: results/compression/<out>.json")
     parser.add_argument("--note", default="", help="a sentence stored in the results file")
     args = parser.parse_args(argv)
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return sum(xs) / max(1, len(xs))
 
     total = time.perf_counter() - start
-    path = write_results(args.out, {
+    path = write_results(f"compression/{args.out}", {
         "benchmark": "validation perplexity of the shipped models pruned to 50% (minillm.train.pruning), and the "
                      "shipped draft distilled from the shipped target (minillm.train.distill) against plain training "
                      "(control)",

@@ -6,7 +6,7 @@ the state's allowed ids, set every other logit to -inf, advance the DFA by the s
 mask next to what it rides on, one unconstrained decode step (`decode_one_token` + `sample`) of each
 shipped model, and also time whole generations, constrained and not, per token.
 
-    python benchmarks/constrained_overhead.py        # writes results/constrained_overhead_cpu.json
+    python benchmarks/constrained_overhead.py        # writes results/constrained_overhead/cpu.json
 
 Timings on a shared CPU are noisy: compare numbers from one run, not across runs.
 """
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         rows.append(row)
 
-    path = write_results("constrained_overhead_cpu", {
+    path = write_results("constrained_overhead/cpu", {
         "benchmark": "constrained decoding: index build (once) and per-token mask overhead, on the CPU",
         "settings": vars(args),
         "vocab_size": tokenizer.vocab_size,

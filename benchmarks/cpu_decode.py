@@ -16,7 +16,7 @@ compiled configurations the calls one compiled step makes (Inductor's generated 
 model's matrix-vector products alone, in fp32 and bf16: the weight bytes PyTorch's batch-1 kernels stream
 per second on one core.
 
-    python benchmarks/cpu_decode.py          # writes results/cpu_decode_cpu.json (--name to name it otherwise)
+    python benchmarks/cpu_decode.py          # writes results/cpu_decode/cpu.json (--name to name it otherwise)
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def compiled_step_calls(model: minillm.Transformer, tokenizer: minillm.Tokenizer
     timed runs compile without it: it records every loop, which costs time)."""
     import torch._inductor.config as inductor_config
 
-    from minillm.engine.cuda_graphs import DecodeGraphs
+    from minillm.engine.compiled_step import CompiledDecode
 
-    DecodeGraphs.compiled_steps.clear()  # compile afresh, with the profiling on
+    CompiledDecode.compiled_steps.clear()  # compile afresh, with the profiling on
     inductor_config.cpp.enable_kernel_profile = True
     params = minillm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     stream = minillm.generate_stream(model, PROMPT, params, tokenizer, compile_decode=True)
@@ -123,7 +123,7 @@ def compiled_step_calls(model: minillm.Transformer, tokenizer: minillm.Tokenizer
     names = [e.name for e in prof.events()]
     stream.close()
     inductor_config.cpp.enable_kernel_profile = False
-    DecodeGraphs.compiled_steps.clear()
+    CompiledDecode.compiled_steps.clear()
     # The C++ wrapper calls the library kernels through PyTorch's C shim (aoti_torch_cpu_mm_out, ...).
     library = {"aten::mm", "aten::bmm", "aten::_weight_int8pack_mm", "aoti_torch_cpu_mm_out",
                "aoti_torch_cpu_bmm_out", "aoti_torch_cpu__weight_int8pack_mm"}
@@ -159,7 +159,7 @@ def main() -> None:
                         default=["fp32", "bf16", "int8", "fp32+compile", "bf16+compile", "int8+compile"])
     parser.add_argument("--gguf-types", nargs="+", default=["F32", "F16", "Q8_0"], help="llama.cpp's files")
     parser.add_argument("--llama-cpp-build", default="", help="how llama-cpp-python was built, for the results")
-    parser.add_argument("--name", default="cpu_decode_cpu", help="the results file: results/<name>.json")
+    parser.add_argument("--name", default="cpu", help="the results file: results/cpu_decode/<name>.json")
     args = parser.parse_args()
     models = {name: load(name) for name in args.configs}
     compile_s: dict[str, float] = {}
@@ -221,7 +221,7 @@ def main() -> None:
         for name, ref in pairs:
             if (name, threads) in median and (ref, threads) in median:
                 ratios[f"{name} / {ref}, {threads} thread(s)"] = median[(name, threads)] / median[(ref, threads)]
-    write_results(args.name, {
+    write_results(f"cpu_decode/{args.name}", {
         "benchmark": "batch-1 greedy decode on the CPU, minillm against llama.cpp",
         "settings": {"model": minillm.DEFAULT_MODEL, "tokens": args.tokens, "repeats": args.repeats,
                      "threads": args.threads, "prompt": PROMPT},

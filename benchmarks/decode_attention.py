@@ -21,7 +21,7 @@ graph of the calls (so the time is the GPU's, not Python's launch overhead, whic
 removes with graphs) over enough distinct input sets to exceed the L2 cache several times (so the
 bytes come from HBM), and takes the median of 40 replays, the methods' graphs replayed in turn.
 
-    python benchmarks/decode_attention.py            # writes results/decode_attention_cuda.json
+    python benchmarks/decode_attention.py            # writes results/decode_attention/cuda.json
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main() -> None:
     rows = bench(args, decode_attention, decode_attention_reference, copy_gbs)
     ragged_row = ragged(args, decode_attention)
     kv_rows = by_kv_heads(args, decode_attention)
-    path = write_results("decode_attention_cuda", {
+    path = write_results("decode_attention/cuda", {
         "benchmark": "decode attention, one query per sequence vs a bf16 KV cache: Triton kernel vs SDPA",
         "settings": {k: v for k, v in vars(args).items() if k != "default_launch"},
         "timing": "CUDA graph of the calls over enough input sets to exceed L2 (512 MiB); median of 40 replays, "

@@ -13,7 +13,7 @@ plus q and the output), against the device-to-device copy bandwidth measured in 
 benchmarks/decode_attention.py: CUDA graphs over enough input sets to exceed L2, median of replays, the
 configurations replayed in turn. Every configuration is checked against the reference first.
 
-    python benchmarks/decode_attention_serving.py     # writes results/decode_attention_serving_cuda.json
+    python benchmarks/decode_attention_serving.py     # writes results/decode_attention_serving/cuda.json
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--name", default="decode_attention_serving_cuda")
+    parser.add_argument("--name", default="cuda", help="the results file: results/decode_attention_serving/<name>.json")
     args = parser.parse_args()
     copy_gbs = start_on_gpu("decode_attention_serving.py",
                             "tests/test_kernels.py runs the paged kernel through Triton's interpreter.")
@@ -125,7 +125,7 @@ def main() -> None:
               f"{auto.get('gbs', 0) * 1e9 / copy_gbs:.0%} of copy); best (block_n/warps/stages/splits):", flush=True)
         for r in timed[:6]:
             print(f"    {r['config']:>12} {r['us']:7.1f} us {r['gbs']:6.0f} GB/s {r['gbs'] * 1e9 / copy_gbs:5.0%}")
-    path = write_results(args.name, {
+    path = write_results(f"decode_attention_serving/{args.name}", {
         "benchmark": "paged decode attention at serving batches: launch settings swept, the engine's call shape "
                      "(key range of the graphs, int64 table columns, ragged rows)",
         "settings": vars(args),

@@ -5,8 +5,8 @@ number of greedy tokens, same threads. Each engine runs `--repeats` times, inter
 medians of TTFT and decode tokens/s (tokens after the first over the time after the first).
 transformers' per-token times come from a streamer that timestamps every token it is handed.
 
-    python benchmarks/decode_batch1.py                  # CPU: writes results/decode_batch1_cpu.json
-    python benchmarks/decode_batch1.py --device cuda    # GPU: writes results/decode_batch1_cuda.json
+    python benchmarks/decode_batch1.py                  # CPU: writes results/decode_batch1/cpu.json
+    python benchmarks/decode_batch1.py --device cuda    # GPU: writes results/decode_batch1/cuda.json
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
         row["decode_speedup"] = row["minillm_decode_tok_s"] / row["transformers_decode_tok_s"]
         rows.append(row)
 
-    path = write_results(f"decode_batch1_{args.device}", {
+    path = write_results(f"decode_batch1/{args.device}", {
         "benchmark": f"batch-1 greedy decode on the {args.device}, minillm vs transformers.generate",
         "settings": vars(args),
         "rows": rows,

@@ -11,7 +11,9 @@ Measured: the batch-1 graph replay and its attention kernels' GPU time (one prof
 and Llama-3-8B's shapes (random bf16 weights, a `--context`-token context), with the graphs captured for key
 ranges of `--ranges` tokens (the pool sized to hold the longest).
 
-    python benchmarks/decode_key_range.py     # a CUDA GPU: writes results/decode_key_range_cuda.json
+    python benchmarks/decode_key_range.py     # a CUDA GPU: results/decode_key_range/<name>.json (--name, default cuda)
+
+The book keeps only A/B rounds of it, in results/decode_key_range/archive/.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main() -> None:
     parser.add_argument("--ranges", type=int, nargs="+", default=[640, 8192, 131072])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--name", default="decode_key_range_cuda")
+    parser.add_argument("--name", default="cuda", help="the results file: results/decode_key_range/<name>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_key_range.py needs a CUDA GPU.")
@@ -59,8 +61,9 @@ def main() -> None:
                   f"{rows[-1]['attention_us']:.0f} us", flush=True)
         del graphs, model, cache
         torch.cuda.empty_cache()
-    path = write_results(args.name, {"benchmark": "batch-1 decode graphs captured for key ranges past the context",
-                                     "settings": vars(args), "rows": rows})
+    path = write_results(f"decode_key_range/{args.name}", {
+        "benchmark": "batch-1 decode graphs captured for key ranges past the context",
+        "settings": vars(args), "rows": rows})
     print(f"written to {path}")
 
 

@@ -323,7 +323,7 @@ def main() -> None:
     eng.shutdown()
     peak = link_gb_s(64 * 2**20, cuda)
 
-    name = f"disagg_interference_{'cuda' if cuda else 'cpu'}" + (f"_{args.name}" if args.name else "")
+    name = f"disagg_interference/{'cuda' if cuda else 'cpu'}" + (f"_{args.name}" if args.name else "")
     path = write_results(name, {
         "benchmark": "prefill/decode interference: colocated, chunked, two replicas, disaggregated",
         "settings": {"model": "llama-1B shape, random bf16" if cuda else minillm.DEFAULT_MODEL, **shape,

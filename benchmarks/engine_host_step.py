@@ -2,21 +2,23 @@
 
 On a GPU with async scheduling, a decode step costs the longer of two things: the GPU's kernels, and the host's
 Python around them (scheduling, the step's inputs, reading the tokens, stop rules). At batch 256 the host's part
-was the longer one on the H200 machine (`results/engine_throughput_ab_cuda_capture_*.json`: 0.6 s of 4.7 s
-waiting for tokens). This measures that Python on any CPU, without a GPU: the engine (async scheduling on, the
-decode step run through `DecodeGraphs` exactly as on a GPU) with its one model call replaced by a stub that
-returns fixed logits, so what is timed is the host's work alone.
+was the longer one on the H200 machine
+(`results/engine_throughput_ab/archive/engine_throughput_ab_cuda_capture_*.json`: 0.6 s of 4.7 s waiting for
+tokens). This measures that Python on any CPU, without a GPU: the engine (async scheduling on, the decode step run
+through `DecodeGraphs` exactly as on a GPU) with its one model call replaced by a stub that returns fixed logits,
+so what is timed is the host's work alone.
 
 The requests: `--batch` of them, prompts and outputs of 100..1024 random tokens (as engine_throughput.py), all
 prefilled, then `--steps` decode steps timed; each engine stage's share from wrapping its method (from outside:
 nothing in minillm changes). The vocabulary is 512 so that the CPU's argmax and log-softmax (a GPU runs them as
 kernels) stay small; their time is the "ModelRunner.sample" stage, which on a GPU is two kernel launches.
 
-    python benchmarks/engine_host_step.py       # writes results/engine_host_step_cpu.json
+    python benchmarks/engine_host_step.py       # writes results/engine_host_step/<name>.json (--name, default cpu)
 
 `--device cuda` runs the same stages with the real model on a GPU instead (Llama-3.2-1B's shape, random bf16
-weights, captured graphs, the vocabulary of 128,256), to results/engine_host_step_cuda.json: there `read` also
-holds the wait for the GPU, and the top functions by their own time (cProfile, a separate pass) are kept.
+weights, captured graphs, the vocabulary of 128,256), to results/engine_host_step/<name>.json (default cuda): there
+`read` also holds the wait for the GPU, and the top functions by their own time (cProfile, a separate pass) are
+kept. The book keeps only A/B rounds of it, in results/engine_host_step/archive/.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from common import write_results
 from engine_throughput import make_requests
 
 import minillm
-from minillm.engine import LLMEngine, cuda_graphs, kv_cache, llm_engine, model_runner, scheduler
+from minillm.engine import LLMEngine, cuda_graphs, kv_cache, llm_engine, model_runner, scheduler, step_inputs
 from minillm.sampler.sampling import SamplingParams
 
 STAGES = [(scheduler.Scheduler, "schedule"), (llm_engine.LLMEngine, "_forward"),
-          (cuda_graphs.DecodeGraphs, "fill_inputs"), (kv_cache.PagedKVCache, "allocate_slots"),
+          (step_inputs.StepInputBuilder, "decode_rows"), (kv_cache.PagedKVCache, "allocate_slots"),
           (kv_cache.PagedKVCache, "commit"), (llm_engine.LLMEngine, "_sample"), (model_runner.ModelRunner, "sample"),
           (llm_engine.LLMEngine, "_read_inflight"), (model_runner.StepTokens, "read"),
           (llm_engine.LLMEngine, "_append")]
@@ -123,7 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--name", default=None, help="default engine_host_step_<device>")
+    parser.add_argument("--name", default=None, help="the results file: results/engine_host_step/<name>.json "
+                        "(default: the device)")
     args = parser.parse_args()
     model = None
     if args.device == "cuda":
@@ -131,13 +134,14 @@ def main() -> None:
 
         _, model = random_llama_1b()
     rows = [host_step(b, args.steps, args.vocab, model) for b in args.batches]
-    args.name = args.name or f"engine_host_step_{args.device}"
-    path = write_results(args.name, {"benchmark": "the host's Python of an engine decode step (async scheduling, "
-                                                  "the DecodeGraphs path), the model's call stubbed out",
-                                     "settings": vars(args), "rows": rows})
+    args.name = args.name or args.device
+    path = write_results(f"engine_host_step/{args.name}", {
+        "benchmark": "the host's Python of an engine decode step (async scheduling, the DecodeGraphs path), "
+                     "the model's call stubbed out",
+        "settings": vars(args), "rows": rows})
     for r in rows:
         print(f"batch {r['batch']}: {r['median_step_ms']:.2f} ms per step (min {r['min_step_ms']:.2f}), "
-              f"{r['per_row_us']:.1f} us per row; median by stage (nested: _forward holds fill_inputs, ...):")
+              f"{r['per_row_us']:.1f} us per row; median by stage (nested: _forward holds decode_rows, ...):")
         for name, ms in r["stages_ms"].items():
             print(f"    {ms:6.3f} ms  {name}")
         for name, ms in list(r.get("cprofile_own_ms_per_step", {}).items())[:15]:

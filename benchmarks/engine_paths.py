@@ -8,7 +8,7 @@ Measured in each tree, on the shipped model (fp32, `--threads` threads), in a fr
 - `generate_tok_s`: `minillm.generate` at batch 1, 128 new tokens (what `benchmarks/decode_batch1.py` times).
 Medians of 3 inside each process. Only public APIs are used, so an older tree runs the same code.
 
-    python benchmarks/engine_paths.py --trees BASELINE_DIR . --labels before after   # results/engine_paths_cpu.json
+    python benchmarks/engine_paths.py --trees BASELINE_DIR . --labels before after   # results/engine_paths/cpu.json
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
             rows[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {round_ + 1}, {label}: {rows[label][-1]}", flush=True)
     medians = {label: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for label, runs in rows.items()}
-    path = write_results("engine_paths_cpu", {"benchmark": "the engine's CPU paths in several source trees, "
+    path = write_results("engine_paths/cpu", {"benchmark": "the engine's CPU paths in several source trees, "
                                               "alternated (fresh process per tree and round)",
                          "settings": {k: v for k, v in vars(args).items() if k not in ("trees", "measure")},
                          "runs": rows, "medians": medians})

@@ -15,7 +15,7 @@ Also the top functions of the staged run by own time (`cProfile`), which say whi
 stages are made of. cProfile's overhead inflates the host's share; the staged run's totals are read
 from the stage timers, taken in a separate run without cProfile.
 
-    python benchmarks/engine_stages.py --name engine_stages_cuda   # writes results/<name>.json
+    python benchmarks/engine_stages.py     # a CUDA GPU: writes results/engine_stages/cuda.json (--name: another file)
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, unseeded")
-    parser.add_argument("--name", default="engine_stages_cuda")
+    parser.add_argument("--name", default="cuda", help="the results file: results/engine_stages/<name>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_stages.py needs a CUDA GPU.")
@@ -119,7 +119,7 @@ def main() -> None:
     plain.pop("steps")
     staged = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, False, args.temperature)
     profiled = staged_run(model, requests, args.max_num_seqs, args.max_num_batched_tokens, True, args.temperature)
-    path = write_results(args.name, {
+    path = write_results(f"engine_stages/{args.name}", {
         "benchmark": "engine step by stage: LLM over engine_throughput.py's requests, Llama-3.2-1B shape, bf16",
         "settings": vars(args),
         "plain": plain,

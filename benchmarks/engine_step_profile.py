@@ -12,7 +12,7 @@ The kernels of the engine's step that the bare replay does not run (by name, tim
 work around the graph: the input copy, sampling, log-probabilities, the tokens' copy back. The rest of the
 difference between the engine's step and the replay is the GPU waiting.
 
-    python benchmarks/engine_step_profile.py     # a CUDA GPU: writes results/engine_step_profile_cuda.json
+    python benchmarks/engine_step_profile.py     # a CUDA GPU: writes results/engine_step_profile/cuda.json
 """
 
 from __future__ import annotations
@@ -84,15 +84,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--name", default="engine_step_profile_cuda")
+    parser.add_argument("--name", default="cuda", help="the results file: results/engine_step_profile/<name>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_step_profile.py needs a CUDA GPU.")
     _, model = random_llama_1b()
     rows = [run(model, b, args.context, args.steps) for b in args.batches]
-    path = write_results(args.name, {"benchmark": "engine decode step against its bare graph replay, under "
-                                                  "torch.profiler; Llama-3.2-1B shape, random bf16 weights, greedy",
-                                     "settings": vars(args), "rows": rows})
+    path = write_results(f"engine_step_profile/{args.name}", {
+        "benchmark": "engine decode step against its bare graph replay, under torch.profiler; Llama-3.2-1B shape, "
+                     "random bf16 weights, greedy",
+        "settings": vars(args), "rows": rows})
     for r in rows:
         s, p = r["engine_step"], r["replay"]
         print(f"batch {r['batch']}: engine step {s['wall_us']:.0f} us (GPU busy {s['gpu_busy_us']:.0f}, idle "

@@ -19,7 +19,9 @@ the `minillm.arithmetic` roofline time of its prefill tokens and of a decode ste
 requests at their mean context, on the datasheet of the GPU it runs on (H200, H100 PCIe, else H100 SXM);
 their sum against the measured time (runs before 27 Nov used the H100 SXM datasheet on every GPU, H200s too).
 
-    python benchmarks/engine_throughput.py        # writes results/engine_throughput_cuda.json
+    python benchmarks/engine_throughput.py        # writes results/engine_throughput/<name>.json (--name, default cuda)
+
+The book keeps one run a GPU, named by it: results/engine_throughput/cuda_h100.json and cuda_h200.json.
 """
 
 from __future__ import annotations
@@ -175,14 +177,16 @@ def main() -> None:
     add_workload_arguments(parser)
     parser.add_argument("--hf-batches", type=int, nargs="+", default=[64])
     parser.add_argument("--hf-single", type=int, default=4, help="requests timed at batch 1 (then extrapolated)")
+    parser.add_argument("--name", default="cuda", help="the results file: results/engine_throughput/<name>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/engine_throughput.py needs a CUDA GPU.")
     hf, model = random_llama_1b()
     requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
     # Warm-up: the whole workload once, untimed. After a warm-up on 8 requests, the first full run was about 25%
-    # slower than later ones (kernels compiled for shapes the small warm-up did not reach; results/
-    # engine_throughput_ab_cuda_async.json), and results/engine_throughput_cuda_h200.json was measured that way.
+    # slower than later ones (kernels compiled for shapes the small warm-up did not reach;
+    # results/engine_throughput_ab/cuda_async.json), and
+    # results/engine_throughput/archive/engine_throughput_cuda_h200.json was measured that way.
     run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
     ours = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
     gpu = roofline_gpu()
@@ -203,7 +207,7 @@ def main() -> None:
     ours["steps_summary"] = {"steps": len(ours["steps"]),
                              "mean_decode_batch": statistics.fmean(s["decode_tokens"] for s in ours["steps"])}
     steps = ours.pop("steps")
-    path = write_results("engine_throughput_cuda", {
+    path = write_results(f"engine_throughput/{args.name}", {
         "benchmark": "offline throughput: minillm LLM.generate (continuous batching, paged cache) vs transformers "
                      "generate (static batches, left-padded), Llama-3.2-1B shape, random bf16 weights",
         "settings": vars(args),

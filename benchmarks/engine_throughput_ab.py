@@ -3,10 +3,10 @@
 Same model (Llama-3.2-1B shape, random bf16 weights, seed 0), same 256 requests, same engine settings as
 engine_throughput.py; `benchmarks/ab_trees.sh` runs it in an earlier commit's tree and in this one, alternately:
 
-    bash benchmarks/ab_trees.sh BASELINE_DIR engine_throughput_ab.py engine_throughput_ab 2
+    bash benchmarks/ab_trees.sh BASELINE_DIR engine_throughput_ab.py engine_throughput_ab/cuda 2
 
 `--modes sync async sync async` runs this tree's engine with async scheduling off and on, alternately, in one
-process (one model, one warm-up), to `--name` (default engine_throughput_ab).
+process (one model, one warm-up). It writes results/engine_throughput_ab/<name>.json (`--name`, default cuda).
 
 `--profile-calls 0 10 40 400` then runs the workload once more (untimed, the first mode) with those engine calls
 under torch.profiler, each between two device synchronisations (so a call holds its own step's kernels only): the
@@ -49,7 +49,7 @@ def profiled_calls(calls: set[int], into: dict[int, dict]):  # noqa: ANN201 - ru
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", choices=["default", "sync", "async"], default=["default"])
-    parser.add_argument("--name", default="engine_throughput_ab")
+    parser.add_argument("--name", default="cuda", help="the results file: results/engine_throughput_ab/<name>.json")
     parser.add_argument("--full-warmup", action="store_true",
                         help="run the whole workload once, untimed, first: the first full run is often slower (kernels "
                              "compiled for the shapes the 8-request warm-up did not reach)")
@@ -110,10 +110,10 @@ def main() -> None:
                   f"{p['roofline_us'] / 1e3:.2f} ms, {p['kernels']:.0f} kernels ({kinds} ms)")
             for name, us in list(p["top_kernels_us"].items())[:6]:
                 print(f"      {us / 1e3:7.2f} ms  {name}")
-    path = write_results(args.name, {"benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, "
-                                     "Llama-3.2-1B shape, random bf16 weights", "settings": vars(args),
-                                     "minillm": runs[0], "runs": runs,
-                                     "profiled_calls": {str(i): p for i, p in sorted(profiles.items())}})
+    path = write_results(f"engine_throughput_ab/{args.name}", {
+        "benchmark": "minillm LLM.generate, 256 requests 100-1024 in/out, Llama-3.2-1B shape, random bf16 weights",
+        "settings": vars(args), "minillm": runs[0], "runs": runs,
+        "profiled_calls": {str(i): p for i, p in sorted(profiles.items())}})
     print(f"written to {path}")
 
 

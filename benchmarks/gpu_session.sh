@@ -11,4 +11,4 @@ python3 -m pytest tests/test_model_parity.py tests/test_generate.py tests/test_k
 python3 benchmarks/decode_batch1.py --device cuda --dtypes bfloat16 --sizes small-12M base-110M llama-1B --repeats 3 \
     2>&1 | tee "$OUT/decode_gpu.log"
 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log"
-cp results/decode_batch1_cuda.json results/attention_cuda.json "$OUT/" 2>/dev/null || true
+cp results/decode_batch1/cuda.json results/attention/cuda.json "$OUT/" 2>/dev/null || true

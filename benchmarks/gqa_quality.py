@@ -12,9 +12,9 @@ one, checked below); if DIR has none, this script prepares them (fetching the co
 Perplexity is `minillm.eval.perplexity` on the validation split, as on the model card: 256 windows
 of 256 tokens. Uptraining sees only the training split.
 
-    python benchmarks/gqa_quality.py                        # CPU: writes results/gqa_quality_cpu.json
+    python benchmarks/gqa_quality.py                        # CPU: writes results/gqa_quality/cpu.json
     python benchmarks/gqa_quality.py --device cuda --steps 250 --batch-size 32 --lr 3e-4
-                                                            # the paper's 5%: results/gqa_quality_cuda.json
+                                                            # the paper's 5%: results/gqa_quality/cuda.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=UPTRAIN_SETTINGS.warmup)
     parser.add_argument("--dropout", type=float, default=UPTRAIN_SETTINGS.dropout)
     parser.add_argument("--eval-windows", type=int, default=256, help="validation windows of 256 tokens")
-    parser.add_argument("--out", default=None, help="results name (default gqa_quality_DEVICE)")
+    parser.add_argument("--out", default=None, help="the results file: results/gqa_quality/<out>.json "
+                        "(default: the device)")
     parser.add_argument("--note", default="", help="a sentence stored in the results file")
     args = parser.parse_args(argv)
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({t2 - t1:.0f} s)")
 
     total = time.perf_counter() - start
-    path = write_results(args.out or f"gqa_quality_{device.type}", {
+    path = write_results(f"gqa_quality/{args.out or device.type}", {
         "benchmark": "validation perplexity of the shipped target with its K/V heads mean-pooled "
                      "(minillm.train.gqa.convert_kv_heads), before and after a short uptraining "
                      "(minillm.train.gqa.uptrain)",

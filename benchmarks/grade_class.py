@@ -14,7 +14,7 @@ Also the cost of bubblewrap alone: starting Python inside it against starting it
     mkdir /tmp/base && git archive COMMIT minillm book.yml | tar -x -C /tmp/base
     python3 -m venv /tmp/basevenv && SP=$(echo /tmp/basevenv/lib/python3*/site-packages)
     echo /tmp/base > $SP/a_tree.pth && echo $PWD/.venv/lib/python3*/site-packages > $SP/b_deps.pth
-    python benchmarks/grade_class.py --baseline-python /tmp/basevenv/bin/python   # results/grade_class_cpu.json
+    python benchmarks/grade_class.py --baseline-python /tmp/basevenv/bin/python   # results/grade_class/cpu.json
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
     }
     if "before" in median:
         results["sandbox_vs_before"] = median["sandbox"] / median["before"]
-    write_results("grade_class_cpu", results)
+    write_results("grade_class/cpu", results)
     print(f"\n{'grader':<11} {'median s':>9} {'s/notebook (x jobs)':>20}")
     for name, m in median.items():
         print(f"{name:<11} {m:9.1f} {m / n * args.jobs:20.2f}")

@@ -21,11 +21,12 @@ ab)  # one round: each tree in a fresh process, after a full untimed run of the 
   round=${2:-1}
   for tree in $trees; do
     label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=this_tree
+    mkdir -p "$tree/results/engine_throughput_ab"  # an older tree's own common.py makes results/ only
     (cd "$tree" && PYTHONPATH="$PWD" python3 benchmarks/engine_throughput_ab.py --full-warmup --modes default \
-        --name "engine_throughput_ab_${label}_r${round}" 2>&1 | grep -E "minillm|steps with") \
-      && cp "$tree/results/engine_throughput_ab_${label}_r${round}.json" "$OUT/"
+        --name "${label}_r${round}" 2>&1 | grep -E "minillm|steps with") \
+      && cp "$tree/results/engine_throughput_ab/${label}_r${round}.json" "$OUT/engine_throughput_ab_${label}_r${round}.json"
   done ;;
 transformers)  # against transformers' static batches of 64 in the same run
   PYTHONPATH="$PWD" python3 benchmarks/engine_throughput.py --hf-single 2 2>&1 | tail -8
-  cp results/engine_throughput_cuda.json "$OUT/" ;;
+  cp results/engine_throughput/cuda.json "$OUT/engine_throughput_cuda.json" ;;
 esac

@@ -16,7 +16,7 @@ kernel's (the quantisation error, not a bug: the kernel's own correctness is che
 on the dequantised cache first). Timing as in benchmarks/paged_attention.py: CUDA graphs over enough input
 sets to exceed L2, median of 40 replays, the three replayed in turn.
 
-    python benchmarks/kv_quant_decode.py            # writes results/kv_quant_decode_cuda.json
+    python benchmarks/kv_quant_decode.py            # writes results/kv_quant_decode/cuda.json
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
             r = rows[-1]
             print(f"  B={B:<3} L={L:<6} bf16 {r['bf16_ms']:.3f} ms, int8 {r['int8_ms']:.3f} ms "
                   f"({r['int8_speedup']:.2f}x), fp8 {r['fp8_ms']:.3f} ms ({r['fp8_speedup']:.2f}x)", flush=True)
-    path = write_results("kv_quant_decode_cuda", {
+    path = write_results("kv_quant_decode/cuda", {
         "benchmark": "paged decode attention on bf16 pools vs int8 / fp8 codes with fp32 scales per (token, head)",
         "settings": vars(args) | {"block_size": 16},
         "timing": "CUDA graph of the calls over enough input sets to exceed L2 (512 MiB); median of 40 replays, "

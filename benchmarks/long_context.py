@@ -13,7 +13,7 @@ then measures the share of lookups answered right:
 Longer contexts also hold more filler around the same two needles, so the drop mixes two effects: positions
 never seen in training, and more distractors. The rescalings change only the first.
 
-    python benchmarks/long_context.py        # ~5 min on 2 cores; writes results/long_context_cpu.json
+    python benchmarks/long_context.py        # ~5 min on 2 cores; writes results/long_context/cpu.json
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
             by_depth_and_length[kind][str(L)] = {str(d): accuracy(m, s, L, args.n, depth=d) for d in DEPTHS}
             print(f"{kind:<8} {L:>5} by depth: " + " ".join(f"{a:.2f}" for a in by_depth_and_length[kind][str(L)]
                                                           .values()))
-    path = write_results("long_context_cpu", {
+    path = write_results("long_context/cpu", {
         "benchmark": "key-value lookup beyond the training length, with RoPE rescalings at inference",
         "settings": dataclasses.asdict(s) | {"lookups_per_measurement": args.n, "train_seconds": round(train_s, 1)},
         "training_log": log, "by_depth": depths,

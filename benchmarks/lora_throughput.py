@@ -14,7 +14,7 @@ projections (q, k, v, o, gate, up, down), so each is the most expensive kind. Me
    with 4 slots, where requests wait for slots and adapters are evicted and loaded again, against 16 slots.
 
 On a 2-core CPU the batch is 64 with 24-token prompts and 24 new tokens (a few seconds per run); on a GPU the
-defaults are larger. Writes results/lora_throughput_{cpu,cuda}.json.
+defaults are larger. Writes results/lora_throughput/{cpu,cuda}.json.
 
     python benchmarks/lora_throughput.py
 """
@@ -180,7 +180,7 @@ def main() -> None:
         print(f"{name:28s} {row['tok_per_s']:>9.1f} tok/s  loads {row['slot_loads']:>3d}  evictions {row['evictions']}")
     print(results["op"])
     print(results["adapter_load"])
-    print("wrote", write_results(f"lora_throughput_{'cuda' if cuda else 'cpu'}", results))
+    print("wrote", write_results(f"lora_throughput/{'cuda' if cuda else 'cpu'}", results))
 
 
 if __name__ == "__main__":

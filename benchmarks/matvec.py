@@ -15,15 +15,16 @@ Llama-3-8B's shapes (random bf16 weights, a 512-token context):
 
 `--sweep pdl` compares, instead, minillm's kernels launched with programmatic dependent launch (kernels/pdl.py)
 and without. (The block's RMSNorms computed inside the next projection's matvec kernel were measured slower,
-results/matvec_cuda_norm.json and matvec_cuda_pdl.json, with the code of commit c81decc, and removed.)
+results/matvec/archive/matvec_cuda_norm.json and results/matvec/cuda_pdl.json, with the code of commit c81decc,
+and removed.)
 
 For each: the bare replay's time per step (CUDA events, the median of `--rounds` rounds of `--steps`
 replays, the variants alternated round by round), and one profiled step: GPU time of the matrix products
 (cuBLAS's GEMMs and split-K reductions, or the kernel) and the kernels per step. The roofline is
 `roofline.py`'s: weight and KV bytes over the measured copy bandwidth.
 
-    python benchmarks/matvec.py                  # a CUDA GPU: writes results/matvec_cuda.json
-    python benchmarks/matvec.py --sweep pdl      # results/matvec_cuda_pdl.json
+    python benchmarks/matvec.py                  # a CUDA GPU: writes results/matvec/cuda.json
+    python benchmarks/matvec.py --sweep pdl      # results/matvec/cuda_pdl.json
 """
 
 from __future__ import annotations
@@ -122,11 +123,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sweep", choices=["tiles", "pdl"], default="tiles")
-    parser.add_argument("--name", default=None, help="default matvec_cuda, or matvec_cuda_pdl with --sweep pdl")
+    parser.add_argument("--name", default=None, help="the results file: results/matvec/<name>.json "
+                        "(default cuda, or cuda_pdl with --sweep pdl)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/matvec.py needs a CUDA GPU.")
-    args.name = args.name or {"tiles": "matvec_cuda"}.get(args.sweep, f"matvec_cuda_{args.sweep}")
+    args.name = args.name or {"tiles": "cuda"}.get(args.sweep, f"cuda_{args.sweep}")
     bandwidth, _ = copy_bandwidth()
     rows = []
     for shape in args.shapes:
@@ -155,9 +157,10 @@ def main() -> None:
                   f"matmul {rows[-1]['matmul_us']:6.0f} us, {profile['kernels_per_step']:.0f} kernels", flush=True)
         del graphs, model
         torch.cuda.empty_cache()
-    path = write_results(args.name, {"benchmark": "batch-1 graph replay: cuBLAS against the matvec kernel's tiles"
-                                     + {"tiles": "", "pdl": ", launched with PDL or not"}[args.sweep],
-                                     "copy_bandwidth_bytes_per_s": bandwidth, "settings": vars(args), "rows": rows})
+    path = write_results(f"matvec/{args.name}", {
+        "benchmark": "batch-1 graph replay: cuBLAS against the matvec kernel's tiles"
+                     + {"tiles": "", "pdl": ", launched with PDL or not"}[args.sweep],
+        "copy_bandwidth_bytes_per_s": bandwidth, "settings": vars(args), "rows": rows})
     print(f"written to {path}")
 
 

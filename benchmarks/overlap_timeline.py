@@ -7,7 +7,7 @@ its methods are wrapped here, nothing in minillm changes), and every kernel's in
 side of the same trace (Kineto puts both on one clock). Written per mode: the host's marked spans, the GPU's
 busy intervals (overlapping kernels merged), and the mean step period and GPU busy share over the profiled steps.
 
-    python benchmarks/overlap_timeline.py     # a CUDA GPU: writes results/overlap_timeline_cuda.json
+    python benchmarks/overlap_timeline.py     # a CUDA GPU: writes results/overlap_timeline/cuda.json
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
     hf, model = random_llama_1b()
     del hf
     runs = [timeline(model, mode, args.batch, args.steps) for mode in (False, True, False, True)][2:]  # warm, then kept
-    path = write_results("overlap_timeline_cuda", {
+    path = write_results("overlap_timeline/cuda", {
         "benchmark": "the engine's decode steps on one timeline, host spans and GPU busy intervals, async scheduling "
                      "off and on; Llama-3.2-1B shape, random bf16 weights, 64 requests of 128 prompt tokens",
         "settings": vars(args), "runs": runs})

@@ -16,7 +16,7 @@ chapter). Timing as in benchmarks/decode_attention.py: CUDA graphs over enough i
 L2, median of 40 replays, the two methods replayed in turn. Every configuration is checked against
 the reference first.
 
-    python benchmarks/paged_attention.py            # writes results/paged_attention_cuda.json
+    python benchmarks/paged_attention.py            # writes results/paged_attention/cuda.json
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
             print(f"  B={B:<3} L={L:<6} contiguous {r['contiguous_gbs']:5.0f} GB/s  paged {r['paged_gbs']:5.0f} GB/s "
                   f"({r['paged_over_contiguous']:.0%}, {r['paged_fraction_of_copy']:.0%} of copy)", flush=True)
     block_rows = [compare(16, 4096, P, args, copy_gbs) for P in args.block_sizes]
-    path = write_results("paged_attention_cuda", {
+    path = write_results("paged_attention/cuda", {
         "benchmark": "paged vs contiguous decode attention: one Triton kernel, K/V read through shuffled block "
                      "tables or in one piece",
         "settings": vars(args),

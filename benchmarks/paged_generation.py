@@ -12,7 +12,7 @@ Timing: one torch thread (on a shared 2-core machine two threads oversubscribe),
 run in pairs `--reps` times, which goes first alternating (on a 2-core machine the second run of a
 pair was up to 10% slower, whichever it was), the median per-step time of each.
 
-    python benchmarks/paged_generation.py           # writes results/paged_generation_cpu.json
+    python benchmarks/paged_generation.py           # writes results/paged_generation/cpu.json
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
             print(f"{name:16} B={B:<2} contiguous {r['contiguous_ms_per_step']:6.2f} ms/step  paged "
                   f"{r['paged_ms_per_step']:6.2f} ms/step  paged tokens/s = "
                   f"{r['paged_over_contiguous_tokens_per_s']:.0%} of contiguous", flush=True)
-    path = write_results("paged_generation_cpu", {
+    path = write_results("paged_generation/cpu", {
         "benchmark": "greedy decode, paged KV cache vs contiguous, same tokens, CPU",
         "settings": vars(args),
         "timing": "torch threads 1; the caches interleaved, median per-step time over reps",

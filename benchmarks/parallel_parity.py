@@ -9,7 +9,7 @@ For each: how many of the 4 x 32 tokens equal the one-process engine's, and the 
 tokens differ (bf16 with random weights has near-ties, where a different order of additions may pick another token;
 a difference then changes everything after it, so the first position is the telling number).
 
-    python benchmarks/parallel_parity.py      # needs 2 GPUs; writes results/parallel_parity_cuda.json
+    python benchmarks/parallel_parity.py      # needs 2 GPUs; writes results/parallel_parity/cuda.json
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> int:
         for m in (1, 2):
             out = run_pipeline(folder, prompts, TOKENS, stages=2, microbatches=m)
             rows.append(compare(f"pipeline, 2 stages, {m} micro-batch(es) (NCCL)", out.token_ids, expected))
-    path = write_results("parallel_parity_cuda", {
+    path = write_results("parallel_parity/cuda", {
         "benchmark": "greedy tokens of the multi-process engines against the one-process engine",
         "settings": {"model": "llama-1B shape, random bf16", "prompts": 4, "prompt_tokens": 64, "tokens": TOKENS,
                      "gpus": [torch.cuda.get_device_name(i) for i in range(2)]},

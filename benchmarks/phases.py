@@ -18,7 +18,7 @@ graph time (`step_ms`, `prefill_ms`) is the GPU's own time for the work, the num
 predicts; the eager time (`eager_step_ms`) adds the host's cost of launching ~15 kernels per
 layer one by one, which on a fast GPU can exceed the work itself.
 
-    python benchmarks/phases.py --device cuda              # llama-3-8b, bf16 -> results/phases_cuda_llama-3-8b.json
+    python benchmarks/phases.py --device cuda              # llama-3-8b, bf16 -> results/phases/cuda_llama-3-8b.json
     python benchmarks/phases.py --device cpu --model shipped --batches 1 2 4 --contexts 64 128 \
         --prompt-lens 64 128 --decode-context 64         # a quick CPU run of the shipped model
 """
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", default=None, help="results name (default phases_<device>_<model>)")
+    parser.add_argument("--out", default=None, help="the results file: results/phases/<out>.json "
+                        "(default <device>_<model>)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         free, total = torch.cuda.mem_get_info()
         results["gpu_memory"] = {"total_bytes": total, "total_gib": total / 2**30, "total_gb": total / 1e9,
                                  "datasheet_gb": spec.memory_bytes / 1e9 if spec else None}
-    path = write_results(args.out or f"phases_{device.type}_{args.model}", results)
+    path = write_results(f"phases/{args.out or f'{device.type}_{args.model}'}", results)
     print(f"wrote {path}")
     return 0
 

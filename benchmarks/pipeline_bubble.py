@@ -15,8 +15,8 @@ Baselines, in this process with no messages: the whole model at 1 and 2 threads,
 run one after the other (m = 1 is plain batched decoding). Decode tokens/s counts the tokens after each prompt's
 first over the time after the prefill's last token was back (`PipelineStats.decode_tokens_per_s`).
 
-    python benchmarks/pipeline_bubble.py        # writes results/pipeline_bubble_cpu.json (~1.5 min on 2 cores)
-    python benchmarks/pipeline_bubble.py --shape llama-1B --batch 64      # 2 GPUs, NCCL: pipeline_bubble_cuda.json
+    python benchmarks/pipeline_bubble.py        # writes results/pipeline_bubble/cpu.json (~1.5 min on 2 cores)
+    python benchmarks/pipeline_bubble.py --shape llama-1B --batch 64   # 2 GPUs, NCCL: results/pipeline_bubble/cuda.json
 
 With `--shape llama-1B` the model is the Llama-3.2-1B shape with random bf16 weights (16 layers, eight a stage),
 saved to a temporary folder that every stage loads; the one-process baselines then run on one GPU.
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--shape", default=None, help="a roofline shape (llama-1B) with random bf16 weights, "
                         "instead of the shipped model")
-    parser.add_argument("--out", default=None, help="results name (default pipeline_bubble_<device>)")
+    parser.add_argument("--out", default=None, help="the results file: results/pipeline_bubble/<out>.json "
+                        "(default: the device)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bubble_formula']:>8.3f} {r['decode_tokens_per_s']:>7.0f} "
               f"{r['single_process_1_thread_tokens_per_s']:>13.0f} {r['single_process_2_threads_tokens_per_s']:>13.0f}")
 
-    path = write_results(args.out or f"pipeline_bubble_{'cuda' if on_gpus else 'cpu'}", {
+    path = write_results(f"pipeline_bubble/{args.out or ('cuda' if on_gpus else 'cpu')}", {
         "benchmark": "pipeline parallelism: measured bubble vs formula, greedy decode",
         "settings": {"model": f"{args.shape} shape, random bf16" if args.shape else minillm.DEFAULT_MODEL,
                      "gpu": torch.cuda.get_device_name(0) if on_gpus else None,

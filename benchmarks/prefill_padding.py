@@ -7,7 +7,7 @@ the lengths only, so the scheduler runs here without a model (a tiny config stan
 "sampled" token is a placeholder id. For each step with prompt chunks: the chunks' real tokens against the
 positions a left-padded batch [P, T] computes, P x the longest chunk, and the attention scores each computes.
 
-    python benchmarks/prefill_padding.py    # writes results/prefill_padding_cpu.json (a few seconds, any machine)
+    python benchmarks/prefill_padding.py    # writes results/prefill_padding/cpu.json (a few seconds, any machine)
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
            "padded_positions": padded, "padded_per_prompt_token": padded / real,
            "attention_scores_packed": scores_real, "attention_scores_padded": scores_padded,
            "attention_padded_over_packed": scores_padded / scores_real}
-    path = write_results("prefill_padding_cpu", {
+    path = write_results("prefill_padding/cpu", {
         "benchmark": "padding of prompt chunks batched rectangularly, engine_throughput.py's workload replayed on "
                      "the scheduler alone (no model)", **out})
     print(f"{steps} steps, {prefill_steps} with prompt chunks: {real:,} prompt tokens computed as {padded:,} padded "

@@ -21,7 +21,7 @@ unchanged model, top-1 agreement and KL divergence. Each change is measured the 
 A row compared with a baseline other than the shipped model's names it ("baseline": "baseline_key_outliers" or
 "baseline_engine"), beside the file's "baseline".
 
-    python benchmarks/quality_gates.py       # ~12 min on 2 cores; writes results/quality_gates_cpu.json
+    python benchmarks/quality_gates.py       # ~12 min on 2 cores; writes results/quality_gates/cpu.json
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> None:
         print(f"{'':<24} acceptance rate {stats.acceptance_rate:.3f}, {stats.tokens_per_step:.2f} tokens per "
               "target forward", flush=True)
 
-    path = write_results("quality_gates_cpu", {
+    path = write_results("quality_gates/cpu", {
         "benchmark": "the book's quality gate over the book's changes to the shipped model",
         "settings": {"model": minillm.DEFAULT_MODEL, "perplexity_windows": WINDOWS, "agreement_windows": 16,
                      "kv_rows_scored_through_cache": True, "key_outlier_factor": KEY_OUTLIER_FACTOR,

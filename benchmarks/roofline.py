@@ -26,7 +26,9 @@ A profile (torch.profiler) of the eager and graph steps at each batch sums the G
 (matrix multiplies, attention, the rest) against the wall time: the difference is the GPU waiting for
 the host.
 
-    python benchmarks/roofline.py          # a CUDA GPU: writes results/roofline_cuda.json
+    python benchmarks/roofline.py          # a CUDA GPU: writes results/roofline/<name>.json (--name, default cuda)
+
+The book keeps one full run a GPU, named by it: results/roofline/cuda_h100.json and cuda_h200.json.
 """
 
 from __future__ import annotations
@@ -236,7 +238,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--hf", choices=["none", "eager", "both"], default="both")
-    parser.add_argument("--name", default="roofline_cuda")
+    parser.add_argument("--name", default="cuda", help="the results file: results/roofline/<name>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/roofline.py needs a CUDA GPU.")
@@ -286,7 +288,7 @@ def main() -> None:
         del hf, model
         torch.cuda.empty_cache()
 
-    path = write_results(args.name, {"copy_bandwidth_bytes_per_s": bandwidth, "context": args.context,
+    path = write_results(f"roofline/{args.name}", {"copy_bandwidth_bytes_per_s": bandwidth, "context": args.context,
                                      "steps": args.steps, "rows": rows})
     print(f"\nwrote {path}\n")
     columns = ["eager", "unfused graph", "graph step", "replay", "engine sync", "engine", "|", "hf eager", "hf static"]

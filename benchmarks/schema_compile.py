@@ -7,7 +7,7 @@ the shipped model's vocabulary, for minillm (`schema_to_regex`, `RegexDFA`, `Tok
 outlines-core (`build_regex_from_schema`, `Index`) in the same run. Every property is required, so both write
 the same objects (outlines-core makes the others optional).
 
-    python benchmarks/schema_compile.py        # writes results/schema_compile_cpu.json
+    python benchmarks/schema_compile.py        # writes results/schema_compile/cpu.json
 
 Medians of --repeats runs; a shared CPU is noisy, so compare numbers from one run.
 """
@@ -84,7 +84,7 @@ def main() -> None:
         print(f"{name:20} {row['dfa_states']:>6} states  minillm {row['minillm_s'] * 1e3:8.1f} ms"
               + (f"  outlines-core {row['outlines_core_s'] * 1e3:8.1f} ms" if "outlines_core_s" in row else ""),
               flush=True)
-    path = write_results("schema_compile_cpu", {
+    path = write_results("schema_compile/cpu", {
         "benchmark": "schema -> token index compile time over the shipped vocabulary, minillm vs outlines-core",
         "model": args.model, "vocab_size": len(token_bytes), "repeats": args.repeats,
         "outlines_core": importlib.metadata.version("outlines-core") if outlines_core else None, "rows": rows})

@@ -13,8 +13,8 @@ The target is `minillm.DEFAULT_MODEL`, the draft `minillm.DEFAULT_DRAFT` (same t
 * n-gram drafting (prompt lookup, no draft model) on a prompt whose continuation repeats it and on free text.
 * batch: output tokens per second of the engine over B prompts, plain against speculative (k = 4, greedy).
 
-    python benchmarks/speculative.py                     # CPU: results/speculative_cpu.json
-    python benchmarks/speculative.py --device cuda       # results/speculative_cuda.json
+    python benchmarks/speculative.py                     # CPU: results/speculative/cpu.json
+    python benchmarks/speculative.py --device cuda       # results/speculative/cuda.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from common import write_results
@@ -117,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts to run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", default=None, help="the results file: results/speculative/<out>.json "
+                        "(default: the device)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {B}: plain {row['plain_tokens_per_s']:.0f} tok/s, speculative "
               f"{row['speculative_tokens_per_s']:.0f} tok/s, {row['speedup']:.2f}x")
 
-    out = args.out or Path(f"speculative_{device.type}")
-    path = write_results(str(out), {
+    path = write_results(f"speculative/{args.out or device.type}", {
         "target": minillm.DEFAULT_MODEL, "draft": minillm.DEFAULT_DRAFT, "dtype": str(target.dtype),
         "max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats,
         "costs": costs, "sweep": sweep, "ngram": ngram, "batch": batch,

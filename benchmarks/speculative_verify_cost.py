@@ -16,7 +16,7 @@ approaches; eager wall times are kept too, but at small batch they measure the h
 Random weights say nothing about acceptance: chapter 07 combines these costs with the alpha
 measured on the shipped models.
 
-    python benchmarks/speculative_verify_cost.py     # on a CUDA GPU: results/speculative_verify_cost_cuda.json
+    python benchmarks/speculative_verify_cost.py     # on a CUDA GPU: results/speculative_verify_cost/cuda.json
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['gpu_ms']:.2f} ms GPU (c = {row['c_gpu']:.3f}); verify cost v_k (GPU): "
               + ", ".join(f"k={k}: {v:.2f}" for k, v in row["v_gpu"].items()), flush=True)
         torch.cuda.empty_cache()
-    path = write_results("speculative_verify_cost_cuda", {
+    path = write_results("speculative_verify_cost/cuda", {
         "target": "llama-8B", "draft": "llama-1B", "dtype": "bfloat16", "context": args.context,
         "weights": "random (costs only)", "rows": rows,
     })

@@ -12,7 +12,7 @@ For each TP size p (one CPU core or one GPU per rank):
   prompt's last logits.
 
     python benchmarks/tensor_parallel.py                      # CPU: the shipped model, TP 1 and 2 (2 cores)
-    python benchmarks/tensor_parallel.py --shape llama-8B     # GPUs: writes results/tensor_parallel_cuda.json
+    python benchmarks/tensor_parallel.py --shape llama-8B     # GPUs: writes results/tensor_parallel/cuda.json
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def main() -> None:
                                            len(ref))
         if r["batch"] in base:
             r["speedup_over_tp1"] = base[r["batch"]]["step_ms"] / r["step_ms"]
-    name = f"tensor_parallel_{device}" + (f"_{args.name}" if args.name else "")
+    name = f"tensor_parallel/{device}" + (f"_{args.name}" if args.name else "")
     path = write_results(name, {
         "benchmark": "decode step under tensor parallelism, and its all-reduces",
         "settings": {"shape": shape, "config": {k: getattr(config, k) for k in (

@@ -20,7 +20,7 @@ served from the 50 MB L2 cache. Each variant is captured in a CUDA graph and tim
 Correctness: each kernel against the fp64 dequantised reference on fresh inputs, as relative error.
 The lm_head (4096 x 128256, bf16 in both) and attention are left out: see the chapter for the whole step.
 
-    python benchmarks/w4a16.py       # on a CUDA GPU: results/w4a16_cuda.json
+    python benchmarks/w4a16.py       # on a CUDA GPU: results/w4a16/cuda.json
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f", tinygemm {total['tinygemm_ms']:.3f} ms ({row['speedup_tinygemm']:.2f}x)" if has_tinygemm else ""))
     bytes_bf16 = sum(2 * N * K for N, K in SHAPES.values()) * args.layers
     bytes_int4 = sum(N * K // 2 + 4 * N * K // GROUP for N, K in SHAPES.values()) * args.layers
-    path = write_results("w4a16_cuda", {
+    path = write_results("w4a16/cuda", {
         "layers": args.layers, "shapes": SHAPES, "group_size": GROUP, "weight_bytes_bf16": bytes_bf16,
         "weight_bytes_w4a16": bytes_int4, "relative_error_vs_fp64": errors, "rows": rows,
     })

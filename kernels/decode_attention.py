@@ -258,7 +258,7 @@ GPU_BLOCK_N, GPU_WARPS, GPU_STAGES = 64, 4, 2
 # A paged batch of serving size (B x H_kv >= SERVING_PROGRAMS, about half a wave of TARGET_PROGRAMS; bf16/fp16,
 # head_dim <= 128): a tile of head_dim keys and head_dim / 32 warps (one warp per 32 keys of the tile).
 # Swept where a throughput run spends its attention time (benchmarks/decode_attention_serving.py, H200, rows of
-# 100-2048 keys drawn uniformly, a graph's 131,072-key range, results/decode_attention_serving_cuda*.json): with
+# 100-2048 keys drawn uniformly, a graph's 131,072-key range, results/decode_attention_serving/cuda*.json): with
 # head_dim 64 (Llama-3.2-1B) 55.7 -> 50.4 us a call at B=64, 127.6 -> 99.0 at B=144, 205.2 -> 164.3 at B=256; with
 # head_dim 128 (Llama-3-8B) 103.9 -> 88.4, 217.9 -> 167.6 and 341.8 -> 277.8 (the largest tile swept at each size).
 # It replaced 64 keys and 4 warps from SERVING_PROGRAMS, and 32 keys and 2 warps from TARGET_PROGRAMS, chosen at one
@@ -271,7 +271,8 @@ TARGET_PROGRAMS = 1056  # eight 4-warp programs per SM of an H100 (132 SMs): one
 # keys are few (batch 1, short contexts): there a tile a chunk cut the kernels' time at batch 1 in the engine's graph
 # step (H200, context 512, a 660-key range; an ad-hoc sweep) from 110 to 81 us a step on Llama-3.2-1B's shape and
 # from 290 to 215 us on Llama-3-8B's, against 2 tiles (an earlier H100 guess: fewer, and the combine costs more).
-# The A/B of 647a34c in one lease agrees: 108 -> 82 and 281 -> 215 us (results/roofline_cuda_b1_ab_*.json).
+# The A/B of 647a34c in one lease agrees: 108 -> 82 and 281 -> 215 us
+# (results/roofline/archive/roofline_cuda_b1_ab_*.json).
 MIN_CHUNK_TILES = 1
 MAX_SPLITS = 128
 COMBINE_BLOCK_S = 16  # chunks the combine kernel reads a step (a row's used chunks only, in steps of this many)
@@ -377,7 +378,7 @@ def _launch(
     BLOCK_N = block_n or (INTERPRETER_BLOCK_N if _interpreted() else max(32, D) if serving else GPU_BLOCK_N)
     if kv_scales is not None and not block_n and not _interpreted() and B * H_kv * S >= 16384:
         # 8-bit codes: twice the keys per tile moves the bytes per load of 16 bits. H100, Llama-3-8B heads
-        # (results/kv_quant_decode_cuda.json, int8): 1.11-1.25x over bf16 pools from B=16 or L=4096 on, against
+        # (results/kv_quant_decode/cuda.json, int8): 1.11-1.25x over bf16 pools from B=16 or L=4096 on, against
         # 0.99-1.20x with 64 keys; but for one sequence of 1k keys 0.84x against 0.99x: small caches keep 64.
         BLOCK_N *= 2
     if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):

@@ -2,9 +2,10 @@
 
 A greedy decode step ends with two reductions over the vocabulary: the argmax (the token) and, for the
 token's log-probability, a log-softmax. PyTorch runs them as separate kernels, on a float32 copy of the
-logits; on an H200 at batch 1 (Llama-3's 128,256 tokens; results/engine_step_profile_cuda.json) the
-argmax took 28 us and the log-softmax 29 us, 5% of the 1B shape's whole step: far more than reading
-0.25 MB needs (our guess: one row's reduction occupies few of the GPU's processors; not measured).
+logits; on an H200 at batch 1 (Llama-3's 128,256 tokens;
+results/engine_step_profile/archive/engine_step_profile_cuda.json) the argmax took 28 us and the log-softmax
+29 us, 5% of the 1B shape's whole step: far more than reading 0.25 MB needs (our guess: one row's reduction
+occupies few of the GPU's processors; not measured).
 
 Here the row is cut into chunks of BLOCK logits, one program each (63 for that vocabulary), and each
 program reads its chunk once and writes three numbers: its largest logit m_c, where it is (the first

@@ -5,7 +5,7 @@ multiply-add, so the layer can take no less than (weight bytes) / (memory bandwi
 GEMM tile for it (8 rows of x padded, a split K and a second reduction kernel for some shapes); on
 an H200 that streamed Llama-3.2-1B's 2048 x 3072 and 2048 x 2048 projections at about 40% of the copy
 bandwidth (34-51%) and its MLP's down projection at about 60% with its split-K reduction
-(results/roofline_cuda_async.json, read by matching kernels to layers). A matrix-vector product needs
+(results/roofline/cuda_h200.json, read by matching kernels to layers). A matrix-vector product needs
 no tiles of x at all:
 
     program p owns BLOCK_N outputs (rows of W); its threads spread along K, each meant to hold VEC
@@ -28,7 +28,7 @@ expf agrees with PyTorch's, as for `silu_and_mul`; the tests run through the int
 in a different order than cuBLAS, so the two agree to fp32 rounding of the sums, then one rounding to
 the output dtype. tests/test_fused_kernels.py checks it through Triton's CPU interpreter (and on a GPU).
 
-Measured (H200, benchmarks/matvec.py, results/matvec_cuda.json): the batch-1 replay of Llama-3.2-1B's
+Measured (H200, benchmarks/matvec.py, results/matvec/cuda.json): the batch-1 replay of Llama-3.2-1B's
 shape 1.13 -> 1.03 ms, of Llama-3-8B's 4.73 -> 4.54 ms, mostly from fewer kernels (chapter 05).
 """
 
@@ -48,9 +48,9 @@ from .swiglu import silu_and_mul_reference
 # The kernel's tile by the layer's inputs K: (outputs a program, warps a program, consecutive weights a thread
 # loads per row and step; 8 x 2 bytes = one 16-byte load). The first entry whose bound K does not exceed
 # applies (None: any K). Chosen inside the engine's batch-1 graph step on an H200 (benchmarks/matvec.py,
-# results/matvec_cuda_by_k.json, confirmed in matvec_cuda.json): 4 warps for Llama-3.2-1B's layers (K = 2048 and
-# its MLP's 8192), 2 for Llama-3-8B's (4096 and 14336). Other widths take the next bound up; the tiles differed
-# by a few percent.
+# results/matvec/archive/matvec_cuda_by_k.json, confirmed in results/matvec/cuda.json): 4 warps for Llama-3.2-1B's
+# layers (K = 2048 and its MLP's 8192), 2 for Llama-3-8B's (4096 and 14336). Other widths take the next bound up;
+# the tiles differed by a few percent.
 TILES_BY_K: list[tuple[int | None, tuple[int, int, int]]] = [
     (2048, (4, 4, 8)), (4096, (4, 2, 8)), (8192, (4, 4, 8)), (None, (4, 2, 8))]
 

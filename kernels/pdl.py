@@ -4,7 +4,7 @@ A CUDA graph takes the CPU out of the decode step, but the GPU still runs its ke
 next kernel's programs are placed on the SMs only once the last program of the one before has exited and its
 writes are flushed. Each kernel starts with its first loads in flight and nothing else to do, and ends with its
 last programs finishing while most SMs wait. In the batch-1 graph of Llama-3.2-1B's shape (152 kernels a step),
-an H200 under torch.profiler sat idle for about 1.1 us between kernels (results/engine_step_profile_cuda_greedy.json).
+an H200 under torch.profiler sat idle for about 1.1 us between kernels (results/engine_step_profile/cuda.json).
 
 Hopper (sm_90) and later GPUs let a kernel launched with the PDL attribute (Triton: `launch_pdl=True`) begin
 as soon as every program of the kernel before it has called `gdc_launch_dependents` (or exited), before that
@@ -19,7 +19,7 @@ wait before their first read of activations (the matrix-vector kernel's first we
 rotary's frequencies load before the wait; decode attention's two wait at once). A kernel launched after one
 that never signals (cuBLAS, PyTorch's) simply starts when that one ends, as without PDL.
 
-Measured (H200, results/matvec_cuda_pdl.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
+Measured (H200, results/matvec/cuda_pdl.json, benchmarks/matvec.py --sweep pdl): the batch-1 replay 1.000 ->
 0.908 ms at Llama-3.2-1B's shape and 4.482 -> 4.305 ms at Llama-3-8B's, about 0.6 us per kernel at both.
 
 Only inside `launches()`, which `minillm.engine.cuda_graphs.DecodeGraphs` wraps around its warm-up and capture.

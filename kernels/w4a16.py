@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 4  # up to this many rows (tokens) the GEMV, above the tiled GEMM (H100: results/w4a16_cuda.json)
+GEMV_MAX_ROWS = 4  # up to this many rows (tokens) the GEMV, above the tiled GEMM (H100: results/w4a16/cuda.json)
 
 # The nibble trick's constants (see `_nibble`), passed to the GEMV as arguments rather than written into
 # it: as arguments they sit in the constant bank (a small read-only memory an instruction can name as an
@@ -232,7 +232,7 @@ def _check(x: torch.Tensor, weight: W4A16Weight) -> tuple[int, int, int]:
 
 
 def gemv_config(M: int, K: int) -> dict:
-    """The GEMV's tile for M rows of K inputs: the fastest in the H100 sweep (results/w4a16_cuda.json).
+    """The GEMV's tile for M rows of K inputs: the fastest in the H100 sweep (results/w4a16/cuda.json).
     One row: 4 outputs a program on one warp; for a long K (down_proj) 8 outputs on 2 warps. A few rows:
     8 outputs on one warp, no prefetch (each row is its own program; the weights come from L2)."""
     if M > 1:

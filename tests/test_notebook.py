@@ -30,24 +30,28 @@ def _write_results(folder, name, **extra):
     data = {"date": "2026-11-22T07:42:57Z", "commit": "d146f18",
             "machine": {"cpu": "Some CPU", "gpu": "NVIDIA H100 80GB HBM3"},
             "versions": {"torch": "2.11.0+cu130"}, **extra}
-    (folder / f"{name}.json").write_text(json.dumps(data))
+    path = folder / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
 
 
 def test_load_results_prints_where_and_when_it_was_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(notebook, "RESULTS_DIR", tmp_path)
-    _write_results(tmp_path, "phases_cuda_llama-3-8b", rows=[1, 2])
-    data = notebook.load_results("phases_cuda_llama-3-8b")
+    _write_results(tmp_path, "phases/cuda_llama-3-8b", rows=[1, 2])
+    data = notebook.load_results("phases/cuda_llama-3-8b")
     assert data["rows"] == [1, 2]
     assert capsys.readouterr().out == (
-        "loaded results/phases_cuda_llama-3-8b.json: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, "
+        "loaded results/phases/cuda_llama-3-8b.json: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, "
         "commit d146f18, 2026-11-22\n"
     )
 
 
 @pytest.mark.parametrize("name, names", [
-    ("phases_cuda_llama-3-8b", ["benchmarks/phases.py", "NVIDIA GPU", "llama-3-8b"]),
-    ("attention_cuda", ["benchmarks/attention.py", "NVIDIA GPU"]),
-    ("constrained_overhead_cpu", ["benchmarks/constrained_overhead.py", "on a CPU"]),
+    ("phases/cuda_llama-3-8b", ["benchmarks/phases.py", "NVIDIA GPU", "llama-3-8b"]),
+    ("attention/cuda", ["benchmarks/attention.py", "NVIDIA GPU"]),
+    ("constrained_overhead/cpu", ["benchmarks/constrained_overhead.py", "on a CPU"]),
+    ("roofline/archive/roofline_cuda_b1_ab_after_r1", ["benchmarks/roofline.py", "NVIDIA GPU", "b1_ab_after_r1",
+                                                      "archive"]),
 ])
 def test_load_results_names_the_benchmark_that_writes_a_missing_file(tmp_path, monkeypatch, name, names):
     monkeypatch.setattr(notebook, "RESULTS_DIR", tmp_path)
@@ -60,10 +64,18 @@ def test_load_results_names_the_benchmark_that_writes_a_missing_file(tmp_path, m
     assert str(tmp_path) not in message, "the message must not show this machine's absolute path"
 
 
+def test_load_results_asks_for_the_folder_of_a_flat_name():
+    with pytest.raises(ValueError, match="BENCHMARK/FILE, e.g. 'attention/cuda'"):
+        notebook.load_results("attention_cuda")
+
+
 def test_every_committed_results_file_names_an_existing_benchmark():
-    for path in notebook.RESULTS_DIR.glob("*.json"):
-        script = notebook._benchmark_for(path.stem).split()[0]
-        assert (notebook.REPO_ROOT / script).is_file(), f"{path.name} would point to {script}, which does not exist"
+    paths = sorted(notebook.RESULTS_DIR.rglob("*.json"))
+    assert paths, "results/ holds the committed results"
+    for path in paths:
+        name = path.relative_to(notebook.RESULTS_DIR).with_suffix("").as_posix()
+        script = notebook._benchmark_for(name).split()[0]
+        assert (notebook.REPO_ROOT / script).is_file(), f"results/{name}.json points to {script}, which does not exist"
 
 
 def test_repo_relative_gives_a_posix_path_inside_the_repository_and_refuses_outside(tmp_path):

@@ -43,7 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 """The folder that holds `minillm/`, `chapters/`, `benchmarks/` and `results/`."""
 
 RESULTS_DIR = REPO_ROOT / "results"
-"""Benchmark results committed with the repository, one JSON file per benchmark and device."""
+"""Benchmark results committed with the repository: results/<benchmark>/<device>[_<qualifier>].json, one folder
+per script of benchmarks/, earlier runs in its archive/ (results/README.md is the index)."""
 
 PLOT_STYLE: dict[str, Any] = {"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.axisbelow": True}
 """matplotlib rcParams every chapter's figures share."""
@@ -137,25 +138,37 @@ def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 1) -> 
 
 
 def _benchmark_for(name: str) -> str:
-    """Which script writes results/NAME.json, and where: results are named SCRIPT_DEVICE[_MODEL]."""
-    parts = name.split("_")
-    for i, part in enumerate(parts):
-        if part in ("cpu", "cuda") and i > 0:
-            script, model = "_".join(parts[:i]), "_".join(parts[i + 1:])
-            where = "on a machine with an NVIDIA GPU" if part == "cuda" else "on a CPU"
-            return f"benchmarks/{script}.py {where}" + (f", for the {model} model" if model else "")
-    return f"benchmarks/{name}.py"
+    """Which script writes results/<name>.json, and where.
+
+    The name is BENCHMARK/DEVICE[_QUALIFIER] (e.g. "phases/cuda_llama-3-8b"), or BENCHMARK/archive/OLD_NAME for an
+    earlier run kept under the flat name it was written with (e.g. "roofline/archive/roofline_cuda_b1_ab_after_r1").
+    """
+    script, _, file = name.partition("/")
+    archived = file.startswith("archive/")
+    file = file.removeprefix("archive/").removeprefix(f"{script}_")  # an old name repeats the script's
+    device, _, qualifier = file.partition("_")
+    text = f"benchmarks/{script}.py"
+    if device in ("cpu", "cuda"):
+        text += " on a machine with an NVIDIA GPU" if device == "cuda" else " on a CPU"
+    if qualifier:
+        text += f", for {qualifier!r}"
+    return text + (" (an earlier run, kept in the archive)" if archived else "")
 
 
 def load_results(name: str) -> dict[str, Any]:
-    """The committed results file results/NAME.json, after printing where and when it was measured.
+    """The committed results file results/<name>.json, after printing where and when it was measured.
 
-    Prints one line, e.g. "loaded results/attention_cuda.json: NVIDIA H100 80GB HBM3, torch 2.11.0,
+    The name is the file's path under results/ without ".json": "attention/cuda", "phases/cuda_llama-3-8b",
+    or "roofline/archive/roofline_cuda_b1_ab_after_r1" for an earlier run (results/README.md lists them all).
+    Prints one line, e.g. "loaded results/attention/cuda.json: NVIDIA H100 80GB HBM3, torch 2.11.0,
     commit 89d5220, 2026-11-22", from the provenance header every benchmark writes. Raises
-    FileNotFoundError naming the benchmark script (and device, and model) that produces a missing
+    FileNotFoundError naming the benchmark script (and device, and variant) that produces a missing
     file, without this machine's absolute path.
     Introduced in chapter 02.
     """
+    if "/" not in name:
+        raise ValueError(f"load_results({name!r}): results are named BENCHMARK/FILE, e.g. 'attention/cuda' "
+                         "(results/README.md lists every file)")
     path = RESULTS_DIR / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(

@@ -66,8 +66,10 @@ STATIC_DIR = Path(__file__).parent / "static"  # the site's own stylesheet and s
 # What a notebook's outputs depend on besides its own code: the engine it imports (with its shipped
 # models and drill bank) and the committed results files it reads. A change to any file in these
 # folders re-runs every notebook at the next build (see execution_key), except a change to this file:
-# how the site is built does not change what a notebook prints.
+# how the site is built does not change what a notebook prints, nor does results/README.md, the index generated
+# from the results and their citations (minillm.book.results_index), which no notebook reads.
 ENGINE = [REPO_ROOT / "minillm", REPO_ROOT / "kernels", REPO_ROOT / "results"]
+NOT_READ = {Path(__file__).resolve(), REPO_ROOT / "results" / "README.md"}
 
 INTRO = """\
 This book teaches efficient inference of large language models by measuring it. Each chapter is a
@@ -231,7 +233,7 @@ def run_copies(book_path: str | Path | None, paths: Sequence[str], out_dir: str 
 
 def execution_key(nb: Any) -> str:
     """A hash of what a notebook's outputs depend on: its code cells, in order, and every file of the
-    engine (`ENGINE`: minillm/, kernels/, results/; not this file, nor Python's bytecode). Markdown is
+    engine (`ENGINE`: minillm/, kernels/, results/; not `NOT_READ`, nor Python's bytecode). Markdown is
     left out, so editing prose re-runs nothing. So is the environment: after installing a new torch
     or Python, delete `_build/.cache/executed/` to re-run everything.
     """
@@ -241,7 +243,7 @@ def execution_key(nb: Any) -> str:
             digest.update(cell.source.encode() + b"\0")
     for folder in ENGINE:
         for file in sorted(folder.rglob("*")):
-            if file.is_file() and "__pycache__" not in file.parts and file != Path(__file__).resolve():
+            if file.is_file() and "__pycache__" not in file.parts and file not in NOT_READ:
                 digest.update(file.relative_to(folder.parent).as_posix().encode() + b"\0" + file.read_bytes())
     return digest.hexdigest()
 

@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="CPU: compile the decode step ahead of time (torch.export and AOTInductor: seconds "
                           "before the first token, then about 2x faster decoding on the shipped model: "
-                          "results/cpu_decode_cpu_aoti.json)")
+                          "results/cpu_decode/cpu.json)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

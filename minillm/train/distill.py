@@ -25,7 +25,7 @@ perplexity, both on the validation sample, and against a control: the same steps
 schedule of plain next-token training (`minillm.train.gqa.uptrain` with `distill_settings(...)`), so that
 more training alone is not credited to distillation.
 
-Measured by benchmarks/compression.py (results/compression_cpu.json): 200 steps of 4 x 128
+Measured by benchmarks/compression.py (results/compression/cpu.json): 200 steps of 4 x 128
 tokens (43 s on one CPU core) raise the draft's greedy agreement with the target on the validation
 sample from 57.8% to 61.5%, perplexity 53.6 -> 54.0; the control lowers agreement to 54.0% and
 raises perplexity to 60.5. The shipped training sample is small (39k tokens, seen 2.6 times): the
@@ -46,7 +46,7 @@ from minillm.train.loop import TrainSettings, lr_at, make_optimizer, optimizer_s
 # Sized so that `distill`'s defaults run in under a minute on a CPU core with the shipped pair (most
 # of each step is the 11M teacher's forward pass): 200 steps of 4 x 128 tokens, 102k tokens, 2.6
 # passes over the 39k-token training sample. lr 3e-4 and T = 1 won a small sweep (1e-4 to 1e-3,
-# T = 1 and 2) on validation agreement; the sweep is recorded in results/compression_cpu.json.
+# T = 1 and 2) on validation agreement; the sweep is recorded in results/compression/cpu.json.
 DISTILL_STEPS = 200
 
 

@@ -20,7 +20,7 @@ head i // (G r) = (i // G) // r, the pool its old head went into. MHA is the cas
 Measured on the shipped target (8 query heads, 2 K/V heads; benchmarks/gqa_quality.py): pooling to
 MQA raises validation perplexity from 45.7 to 88.6; the default uptraining (0.1% of pre-training's
 tokens) brings it to 53.1, the paper's 5% to 43.6, while the same training of the unconverted model
-gives 44.7 and 44.2 (results/gqa_quality_cpu.json, results/gqa_quality_cuda.json).
+gives 44.7 and 44.2 (results/gqa_quality/cpu.json, results/gqa_quality/cuda.json).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from minillm.train.loop import TrainSettings, add_dropout, lr_at, make_optimizer
 # for 5000 steps of 32 x 256 tokens (41.0M tokens) and kept the weights of step 1900 (15.6M tokens),
 # so the default is 0.8% of its steps but, with an 8x smaller batch, 0.1% of its scheduled tokens
 # and 0.26% of the tokens its weights saw -- far below the paper's 5%. The small batch wants a small
-# learning rate: 1e-4 (3e-4 suits batches of 32; results/gqa_quality_*.json hold both runs).
+# learning rate: 1e-4 (3e-4 suits batches of 32; results/gqa_quality/*.json hold both runs).
 UPTRAIN_STEPS = 40
 UPTRAIN_SETTINGS = TrainSettings(steps=UPTRAIN_STEPS, batch_size=4, seq_len=256, lr=1e-4, min_lr=1e-5,
                                  warmup=10, weight_decay=0.1, dropout=0.0, seed=0)

@@ -37,7 +37,7 @@ irregular gathers, and general sparse kernels tend to beat a dense GEMM only at 
 (90% and more is the usual rule of thumb), or in memory-bound decoding with kernels written for it.
 On a CPU, as here, `prune` only zeroes weights in place: the model becomes no faster, only worse.
 
-Measured (benchmarks/compression.py, results/compression_cpu.json; validation perplexity, 64
+Measured (benchmarks/compression.py, results/compression/cpu.json; validation perplexity, 64
 windows of the shipped sample). The 11M target barely notices half its block weights gone: 50.5
 dense, 51.0 (magnitude) and 51.3 (Wanda) unstructured, 51.6 and 51.3 in 2:4 (presumably because
 11M parameters are more than its 1.5M-token corpus needs). The 0.9M draft has none: 53.6 dense, 68.1 and 64.7
