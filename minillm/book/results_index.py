@@ -379,7 +379,8 @@ def render() -> str:
              "Columns: *machine*, *date* and *commit* come from the file's header (`+`: the run's tree had changes",
              "beyond that commit; the header says which). *older* means the code the file measures (its benchmark",
              "script and the minillm modules that script imports) changed after that commit, so a re-run could",
-             "differ.", "", "## By chapter", ""]
+             "differ; it is as current as the last run of the generator (the test checks every other column).",
+             "", "## By chapter", ""]
     for ch in book.chapters:
         notebook = REPO_ROOT / ch.notebook
         if not notebook.is_file():
