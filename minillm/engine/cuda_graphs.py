@@ -161,16 +161,17 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes), self.sizes,
                  self.capture_seconds)
 
-    def load(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int],
-             previous: torch.Tensor | None = None) -> tuple[int, int]:
-        """Put a decode step's rows into the fixed buffer; returns (padded batch, columns used). Allocates the
-        step's blocks (as `PagedKVCache.prepare` does), takes the rows from the cache's input builder, padding
-        rows included, and copies them (`RowsToDevice`: the host does not wait). A negative token is still on the
-        device (async scheduling): it is taken from `previous`, the step before's sampled tokens."""
+    def load(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
+             allocated: bool = False) -> tuple[int, int]:
+        """Put a decode step's rows into the fixed buffer -> (padded batch, columns used). Allocates the step's
+        blocks (unless `allocated`: the engine's scheduler did), takes the rows from the cache's input builder and
+        copies them (`RowsToDevice`: the host does not wait). A negative token is still on the device (async
+        scheduling): it is taken from `previous`, the step before's sampled tokens."""
         if not seq_ids or len(seq_ids) != len(token_ids):
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
         cache, size = self.cache, padded_batch_size(len(seq_ids), self.sizes)
-        cache.allocate_slots(seq_ids, [1] * len(seq_ids))
+        if not allocated:
+            cache.allocate_slots(seq_ids, [1] * len(seq_ids))
         self.tables = [cache.block_tables[seq_id] for seq_id in seq_ids]  # (for `run`'s commit)
         rows = cache.builder.decode_rows(seq_ids, self.tables, token_ids, size, self.pad_row)
         width = rows.shape[1]
@@ -190,11 +191,10 @@ class DecodeGraphs:
         return self.outputs[size][:n].clone()  # the output buffer is rewritten by the next replay
 
     @torch.inference_mode()
-    def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int],
-            previous: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step: token_ids[b] follows what seq_ids[b] holds -> logits [len(seq_ids), vocab]. `load`s the
-        rows, replays, and commits the tokens to their block tables (`previous`: see `load`)."""
-        size, width = self.load(seq_ids, token_ids, previous)
+    def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
+            allocated: bool = False) -> torch.Tensor:
+        """One decode step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: `load`, replay, commit."""
+        size, width = self.load(seq_ids, token_ids, previous, allocated)
         logits = self.replay(size, width, len(seq_ids))
         self.cache.commit_decode(self.tables, token_ids)
         return logits

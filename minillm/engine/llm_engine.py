@@ -469,8 +469,8 @@ class LLMEngine:
             loras.append(seq.lora)
             seq.num_computed_tokens += n
         previous = self.inflight.tokens if self.inflight is not None else None
-        return self.model_runner.forward(ids, chunks, loras if self.lora_slots is not None else None,
-                                         previous)  # [B, V]: each row's last new token
+        return self.model_runner.forward(ids, chunks, loras if self.lora_slots is not None else None, previous,
+                                         allocated=True)  # [B, V]: each row's last new token; blocks: `schedule`
 
     def _sample(self, scheduled: list[tuple[Seq, int]], logits: torch.Tensor) -> StepTokens | None:
         """Sample one token for every row whose prompt is done (and that did not finish meanwhile). A row whose prompt

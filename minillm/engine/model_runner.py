@@ -163,10 +163,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-                loras: Sequence[str | None] | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
+                loras: Sequence[str | None] | None = None, previous: torch.Tensor | None = None,
+                allocated: bool = False) -> torch.Tensor:
         """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds,
         under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08). A negative id is a token
-        still on the device (async scheduling): `previous` [B'] holds the step before's sampled tokens.
+        still on the device (async scheduling): `previous` [B'] holds the step before's sampled tokens. allocated:
+        every row's blocks are allocated already (the scheduler did it), so a decode step skips the check.
 
         A rectangular batch [B, T] pads the rows shorter than the longest, and padding costs as much compute as a
         token: a 512-token prompt chunk beside 40 decodes would make 41 x 512 positions for 552 real tokens. So
@@ -178,9 +180,13 @@ class ModelRunner:
         decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
         adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
         """
-        decodes, prompts = [], []
-        for i, t in enumerate(token_ids):  # one pass: which rows compute one token
-            (decodes if len(t) == 1 else prompts).append(i)
+        decodes, prompts, firsts = [], [], []  # the rows computing one token (and those tokens), the others
+        for i, t in enumerate(token_ids):  # one pass over the rows
+            if len(t) == 1:
+                decodes.append(i)
+                firsts.append(t[0])
+            else:
+                prompts.append(i)
         results = []
         for group in (decodes, prompts):
             if not group:
@@ -196,7 +202,7 @@ class ModelRunner:
                 with self.lora.rows(names):
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)
             elif group is decodes and self._decode_graphs() is not None:
-                rows = self.graphs.run(ids, [t[0] for t in tokens], **swap)
+                rows = self.graphs.run(ids, firsts, allocated=allocated, **swap)
             elif group is prompts and self.packed_prompts and len({len(t) for t in tokens}) > 1:
                 rows = paged_forward(self.model, self.cache, ids, tokens, packed=True, **swap)  # lengths differ
             else:
