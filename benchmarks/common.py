@@ -60,14 +60,23 @@ def provenance() -> dict[str, Any]:
     return info
 
 
+def results_name(benchmark: str, out: str | None, default: str) -> str:
+    """The `write_results` name of a script's --out: BENCHMARK/OUT (BENCHMARK/DEFAULT without one), or OUT itself
+    when it is an absolute path (a file outside results/, as the tests write)."""
+    if out and Path(out).is_absolute():
+        return out
+    return f"{benchmark}/{out or default}"
+
+
 def write_results(name: str, results: dict[str, Any]) -> Path:
     """Write results/<name>.json with the provenance header; return the path.
 
     The name is BENCHMARK/FILE: the script's own name, then the device and an optional qualifier, e.g.
     "attention/cuda" or "phases/cuda_llama-3-8b" (the rule is in results/README.md). A chapter reads the
     file back with `load_results(name)`; `python -m minillm.book.results_index` then updates the index.
+    An absolute name is a file outside results/ (the tests' temporary files): `results_name`.
     """
-    path = RESULTS / f"{name}.json"
+    path = Path(f"{name}.json") if Path(name).is_absolute() else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**provenance(), **results}, indent=2) + "\n")
     return path

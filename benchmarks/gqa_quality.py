@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import write_results
+from common import results_name, write_results
 from safetensors.torch import load_file
 
 import minillm
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({t2 - t1:.0f} s)")
 
     total = time.perf_counter() - start
-    path = write_results(f"gqa_quality/{args.out or device.type}", {
+    path = write_results(results_name("gqa_quality", args.out, device.type), {
         "benchmark": "validation perplexity of the shipped target with its K/V heads mean-pooled "
                      "(minillm.train.gqa.convert_kv_heads), before and after a short uptraining "
                      "(minillm.train.gqa.uptrain)",

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 from attention import datasheet  # the GPU name -> GPUSpec lookup lives beside the kernel benchmark
-from common import write_results
+from common import results_name, write_results
 
 from minillm import arithmetic
 from minillm.checkpoints import load
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         free, total = torch.cuda.mem_get_info()
         results["gpu_memory"] = {"total_bytes": total, "total_gib": total / 2**30, "total_gb": total / 1e9,
                                  "datasheet_gb": spec.memory_bytes / 1e9 if spec else None}
-    path = write_results(f"phases/{args.out or f'{device.type}_{args.model}'}", results)
+    path = write_results(results_name("phases", args.out, f"{device.type}_{args.model}"), results)
     print(f"wrote {path}")
     return 0
 

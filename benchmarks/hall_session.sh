@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 52's GPU checks on one lease: the CUDA tests of the engine, then the tree before the change (d8b3301) and
+# this tree alternated on the host's step (engine_host_step, batches 1/64/256), the batch-1 decode step and
+# offline throughput. Results to $OUT/<label>_<benchmark>_r<round>.json. Each mode fits the device's 10 minutes:
+#   bash benchmarks/hall_session.sh {tests|ab ROUND}
+# Needs ab_d8b3301/ carried to the device: git archive d8b3301 minillm kernels benchmarks ':!minillm/models' | tar -x
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+before=ab_d8b3301
+for tree in "$before" .; do
+  [ -e "$tree/minillm/kernels" ] || ln -s "$(cd "$tree" && pwd)/kernels" "$tree/minillm/kernels"  # no install needed
+done
+run() {  # run TREE LABEL ROUND BENCHMARK ARGS...: one benchmark in one tree, its results file copied to $OUT
+  local tree=$1 label=$2 round=$3 bench=$4; shift 4
+  (cd "$tree" && PYTHONPATH="$PWD" python3 "benchmarks/$bench.py" "$@" --name "${label}_r${round}" 2>&1 | tail -4)
+  for src in "$tree/results/$bench/${label}_r${round}.json" "$tree/results/${label}_r${round}.json"; do
+    [ -e "$src" ] && cp "$src" "$OUT/${label}_${bench}_r${round}.json" && break
+  done
+}
+case "${1:-tests}" in
+tests)
+  PYTHONPATH="$PWD" python3 -m pytest tests/test_cuda_graphs.py tests/test_step_inputs.py tests/test_fused_kernels.py \
+      tests/test_paged_kv_cache.py tests/test_async_scheduling.py tests/test_engine.py tests/test_compiled_decode.py \
+      -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
+ab)
+  round=${2:-1}
+  for pair in "$before before" ". after"; do
+    set -- $pair
+    run "$1" "$2" "$round" engine_host_step --device cuda --batches 1 64 256
+    run "$1" "$2" "$round" roofline --shapes llama-1B --batches 1 --hf none
+    run "$1" "$2" "$round" engine_throughput_ab --modes default
+  done ;;
+esac
