@@ -54,7 +54,7 @@ def grade_once(python: str, class_dir: Path, jobs: int, extra: list[str]) -> flo
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        proc = subprocess.run([python, "-m", "minillm.entrypoints.cli", "grade", str(class_dir), "-j", str(jobs),
+        proc = subprocess.run([python, "-m", "minillm.cli", "grade", str(class_dir), "-j", str(jobs),
                                "--no-progress", "--json", f"{out}/grades.json", *extra],
                               capture_output=True, text=True, env=env, cwd=out)
         seconds = time.perf_counter() - start

@@ -6,7 +6,7 @@
     print(out.text)
 
 The names below are imported on first use (PEP 562's module `__getattr__`), not when the package is:
-`import minillm.entrypoints.cli` then costs milliseconds instead of PyTorch's start-up, so `minillm --help` answers
+`import minillm.cli` then costs milliseconds instead of PyTorch's start-up, so `minillm --help` answers
 at once and a Ctrl-C while the command starts ends it quietly (the CLI catches it; an import at the top
 of this file would have run before the CLI could).
 """

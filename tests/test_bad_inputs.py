@@ -109,7 +109,7 @@ def test_a_config_value_of_the_wrong_kind_is_refused_at_load_naming_the_field(fo
 
 def test_the_cli_prints_one_line_for_a_bad_model_folder(folder):
     (folder / "tokenizer.json").write_text("not json at all")
-    run = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "generate", "A", "--model", str(folder)],
+    run = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", "A", "--model", str(folder)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.startswith("minillm: error:") and len(run.stderr.strip().splitlines()) == 1, run.stderr
@@ -117,7 +117,7 @@ def test_the_cli_prints_one_line_for_a_bad_model_folder(folder):
 
 @pytest.mark.skipif(shutil.which("head") is None, reason="needs the `head` command")
 def test_generate_into_a_pipe_that_closes_ends_without_a_traceback():
-    command = (f"{sys.executable} -m minillm.entrypoints.cli generate 'ROMEO.' --model {MODEL} --max-tokens 400 "
+    command = (f"{sys.executable} -m minillm.cli generate 'ROMEO.' --model {MODEL} --max-tokens 400 "
                "| head -c 3")
     run = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
     assert len(run.stdout) == 3

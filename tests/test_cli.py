@@ -1,4 +1,4 @@
-"""The `minillm` command line: `python -m minillm.entrypoints.cli generate ...` in a subprocess, `main()` in-process."""
+"""The `minillm` command line: `python -m minillm.cli generate ...` in a subprocess, `main()` in-process."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-import minillm.entrypoints.cli
-from minillm.entrypoints.cli import main
+import minillm.cli
+from minillm.cli import main
 
 TIMEOUT_S = 120
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`python -m minillm.entrypoints.cli ARGS` in a fresh interpreter, with its output captured as text."""
+    """`python -m minillm.cli ARGS` in a fresh interpreter, with its output captured as text."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run(
-        [sys.executable, "-m", "minillm.entrypoints.cli", *args],
+        [sys.executable, "-m", "minillm.cli", *args],
         capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
     )
 
@@ -115,7 +115,7 @@ def test_main_errors_in_process_are_one_line(argv, fragment, llama_folder, tmp_p
 
 def test_main_without_model_and_none_shipped_says_pass_model(monkeypatch, capsys):
     """With no --model and no shipped model, the error tells the user to pass --model."""
-    monkeypatch.setattr(minillm.entrypoints.cli, "shipped_models", lambda: [])
+    monkeypatch.setattr(minillm.cli, "shipped_models", lambda: [])
     assert main(["generate", "Hello"]) == 1
     assert_one_error_line(capsys.readouterr().err, "--model PATH")
 
@@ -170,8 +170,8 @@ def test_cli_choices_match_the_library():
     from minillm.quant import QUANT_OPTIONS
     from minillm.quant.kv import KV_CACHE_DTYPES
 
-    assert minillm.entrypoints.cli.QUANT_CHOICES == QUANT_OPTIONS
-    assert minillm.entrypoints.cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert minillm.cli.QUANT_CHOICES == QUANT_OPTIONS
+    assert minillm.cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 
 def test_main_generate_unknown_quant_is_a_usage_error(capsys):
@@ -181,11 +181,11 @@ def test_main_generate_unknown_quant_is_a_usage_error(capsys):
 
 
 def test_cli_does_not_import_torch_before_it_is_needed():
-    """`import minillm.entrypoints.cli` (what the `minillm` command runs first) stays light: no PyTorch, no model."""
-    code = ("import sys, minillm.entrypoints.cli; "
+    """`import minillm.cli` (what the `minillm` command runs first) stays light: no PyTorch, no model."""
+    code = ("import sys, minillm.cli; "
             "print(sorted(m for m in ('torch', 'minillm.model') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.stdout.strip() == "[]", (f"importing minillm.entrypoints.cli loaded {proc.stdout.strip()}; "
+    assert proc.stdout.strip() == "[]", (f"importing minillm.cli loaded {proc.stdout.strip()}; "
                                          "keep those imports lazy")
 
 
@@ -197,7 +197,7 @@ def test_ctrl_c_during_start_up_prints_no_traceback(llama_folder, delay_s):
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minillm.entrypoints.cli", "generate", "--model", str(llama_folder),
+        [sys.executable, "-m", "minillm.cli", "generate", "--model", str(llama_folder),
          "--max-tokens", "4000", "Hi"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.checkpoints import save
+from minillm.cli import main as cli_main
 from minillm.engine import LLM
-from minillm.entrypoints.cli import main as cli_main
 from minillm.eval import Task, agreement, compare, exact_match, format_table, load_task, loglikelihood, multiple_choice
 from minillm.sampler.sampling import SamplingParams
 

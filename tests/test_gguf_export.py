@@ -140,7 +140,7 @@ def test_unknown_gguf_type_is_refused(tmp_path):
 
 
 def test_export_command_writes_the_file(tmp_path, capsys):
-    from minillm.entrypoints.cli import main
+    from minillm.cli import main
 
     path = tmp_path / "model.q4_0.gguf"
     assert main(["export", "--gguf", str(path), "--dtype", "q4_0"]) == 0

@@ -22,7 +22,7 @@ from minillm.book import load_book
 from minillm.book.grading import TASKS, get_task
 from minillm.book.grading.grade import grade_all
 from minillm.book.grading.sandbox import Sandbox
-from minillm.entrypoints.cli import main
+from minillm.cli import main
 
 IMPORTS = GRADER_IMPORTS
 OWN_ROPE = OWN_ROPE_ONLY + "\ncheck('00.rotary', apply_rope)"

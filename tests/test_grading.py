@@ -18,7 +18,7 @@ from minillm.book.grading import TASKS, check, get_task, register_task, run_task
 from minillm.book.grading.exercises import ExerciseError, blank_source, exercise_text, make_exercise
 from minillm.book.grading.registry import MismatchError, summarise_exception
 from minillm.book.grading.tasks import ch00
-from minillm.entrypoints.cli import main
+from minillm.cli import main
 from minillm.quant import NF4_CODEBOOK
 
 

@@ -102,7 +102,7 @@ def test_the_engine_never_imports_the_book_machinery():
     """minillm.book (book.yml, the site, notebook helpers, grading) sits on top; nothing else in minillm imports it
     (the CLI, which offers the book's commands, is the one door between them)."""
     bad = [f"{m} -> {t}" for m, targets in graph().items() for t in targets
-           if t.startswith("minillm.book") and not m.startswith("minillm.book") and m != "minillm.entrypoints.cli"]
+           if t.startswith("minillm.book") and not m.startswith("minillm.book") and m != "minillm.cli"]
     assert not bad, f"engine modules import the book's machinery: {bad}. Keep the engine free of it."
 
 
@@ -133,6 +133,7 @@ FLOORS = {
     "minillm.eval": 6,
     "minillm.book": 7,
     "minillm.entrypoints": 8,
+    "minillm.cli": 9,
 }
 # Known upward imports, each with the change that removes it. Tensor parallelism is built inside LLMEngine
 # (issue 52, item 4: it becomes a runner the front door passes in, and this line goes).

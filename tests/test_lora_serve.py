@@ -66,12 +66,12 @@ def test_task_1_serve_picks_the_adapter_by_model_name(adapters, one_thread):
 def test_task_2_bad_adapter_is_refused_at_start_up(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{broken")
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
-    proc = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--model", DEFAULT_MODEL,
+    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", "--model", DEFAULT_MODEL,
                            "--port", "1", "--lora-modules", f"bad={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad: LoRA adapter" in lines[0] and "not valid JSON" in lines[0], proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--lora-modules",
+    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", "--lora-modules",
                            "no-equals-sign"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "NAME=PATH" in proc.stderr

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai", reason="the server tests call it with the
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from minillm.entrypoints import cli  # noqa: E402
+import minillm.cli as cli  # noqa: E402
 from minillm.entrypoints.server import build_engine, is_loopback, serve, serve_in_background  # noqa: E402
 from minillm.sampler.speculative import NgramDrafter  # noqa: E402
 
@@ -166,7 +166,7 @@ def test_impossible_combinations_end_with_one_line(flags, says, other_vocabulary
 
 
 def test_a_bad_combination_prints_no_traceback_from_the_command_line():
-    run = subprocess.run([sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--model", MODEL,
+    run = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", "--model", MODEL,
                           "--num-speculative-tokens", "2"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines() == [run.stderr.strip()], run.stderr

@@ -1,7 +1,8 @@
-"""The outside world's doors: the command line and the OpenAI-compatible HTTP server (chapter 05).
+"""The outside world's HTTP door: the OpenAI-compatible server (chapter 05).
 
-    minillm.entrypoints.cli      the `minillm` command (generate, serve, bench, eval, grade, ...)
     minillm.entrypoints.server   `minillm serve`: /v1/completions, /v1/chat/completions, /v1/models, /metrics
 
-They sit on top: nothing else in minillm imports them.
+The `minillm` command itself is `minillm.cli`, one floor up: it offers the engine's commands (generate, serve,
+bench, eval, ...) and the book's (grade, drill, book), so it is the one module that imports both.
+Nothing else in minillm imports this room.
 """

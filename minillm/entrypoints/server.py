@@ -1007,7 +1007,7 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, e
             flags += [f"--{flag}", *map(str, value)]
         else:
             flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
-    command = [sys.executable, "-m", "minillm.entrypoints.cli", "serve", "--model", model, "--port", str(port), *flags]
+    command = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", str(port), *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
