@@ -9,8 +9,9 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 [ -e minillm/kernels ] || ln -s "$PWD/kernels" minillm/kernels
 case "${1:-tests}" in
 tests)
-  python3 -m pytest tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_speculative.py tests/test_generate.py \
-      tests/test_lora.py tests/test_fused_kernels.py tests/test_engine.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+  python3 -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py \
+      tests/sampler/test_speculative.py tests/decoding/test_generate.py tests/lora/test_lora.py \
+      tests/kernels/test_fused_kernels.py tests/engine/test_engine.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 throughput)  # the commit before, then this tree with async scheduling off and on alternately; each after a full warm-up
   [ -e ab_baseline/minillm/kernels ] || ln -s "$PWD/ab_baseline/kernels" ab_baseline/minillm/kernels
   mkdir -p ab_baseline/results/engine_throughput_ab  # the baseline's own common.py makes results/ only

@@ -134,7 +134,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU (the Triton kernels compile for one); none was found. "
-                 "On a CPU, tests/test_kernels.py runs the kernels through Triton's interpreter.")
+                 "On a CPU, tests/kernels/test_kernels.py runs the kernels through Triton's interpreter.")
     try:
         from triton.testing import do_bench
     except ImportError:

@@ -13,8 +13,8 @@ export PYTHONPATH="$PWD:/tmp/dump"
 case "${1:-nccl}" in
 nccl)
   nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m
-  DUMP_AFTER=150 timeout 200 python3 -m pytest tests/test_disagg.py -k "nccl or cuda" -x -q -p no:cacheprovider \
-      2>&1 | tail -60 | tee "$OUT/nccl_test.log" ;;
+  DUMP_AFTER=150 timeout 200 python3 -m pytest tests/parallel/test_disagg.py -k "nccl or cuda" -x -q \
+      -p no:cacheprovider 2>&1 | tail -60 | tee "$OUT/nccl_test.log" ;;
 disagg)
   (cd benchmarks && DUMP_AFTER=500 timeout 560 python3 disagg_interference.py 2>&1 | tee "$OUT/disagg.log")
   cp results/disagg_interference/cuda*.json "$OUT/" 2>/dev/null ;;

@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-settings sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/decode_attention.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
+        sys.exit("benchmarks/decode_attention.py needs a CUDA GPU; on a CPU, tests/kernels/test_kernels.py runs the "
                  "kernel through Triton's interpreter.")
     from minillm.kernels import decode_attention, decode_attention_reference
     from minillm.kernels.decode_attention import GPU_STAGES, GPU_WARPS

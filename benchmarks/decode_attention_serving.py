@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--name", default="cuda", help="the results file: results/decode_attention_serving/<name>.json")
     args = parser.parse_args()
     copy_gbs = start_on_gpu("decode_attention_serving.py",
-                            "tests/test_kernels.py runs the paged kernel through Triton's interpreter.")
+                            "tests/kernels/test_kernels.py runs the paged kernel through Triton's interpreter.")
     results = []
     for B in args.batches:
         rows = sweep_batch(B, args)

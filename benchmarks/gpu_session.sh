@@ -7,7 +7,8 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 [ -e minillm/kernels ] || ln -s "$PWD/kernels" minillm/kernels
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-python3 -m pytest tests/test_model_parity.py tests/test_generate.py tests/test_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+python3 -m pytest tests/model/test_model_parity.py tests/decoding/test_generate.py tests/kernels/test_kernels.py \
+    -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 python3 benchmarks/decode_batch1.py --device cuda --dtypes bfloat16 --sizes small-12M base-110M llama-1B --repeats 3 \
     2>&1 | tee "$OUT/decode_gpu.log"
 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log"

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for n_kv in sorted(valid_kv_heads(c.n_kv_heads), reverse=True):
         t0 = time.perf_counter()
         converted = convert_kv_heads(model, n_kv)
-        # Converting to the current count is an exact copy (tests/test_gqa.py): its perplexity is the shipped one.
+        # Converting to the current count is an exact copy (tests/train/test_gqa.py): its perplexity is the shipped one.
         before = shipped_ppl if n_kv == c.n_kv_heads else ppl(converted)
         t1 = time.perf_counter()
         trained, losses = uptrain(converted, tokens["train"], args.steps, settings)

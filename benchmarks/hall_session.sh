@@ -19,9 +19,9 @@ run() {  # run TREE LABEL ROUND BENCHMARK ARGS...: one benchmark in one tree, it
 }
 case "${1:-tests}" in
 tests)
-  PYTHONPATH="$PWD" python3 -m pytest tests/test_cuda_graphs.py tests/test_step_inputs.py tests/test_fused_kernels.py \
-      tests/test_paged_kv_cache.py tests/test_async_scheduling.py tests/test_engine.py tests/test_compiled_decode.py \
-      -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
+  PYTHONPATH="$PWD" python3 -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_step_inputs.py \
+      tests/kernels/test_fused_kernels.py tests/engine/test_paged_kv_cache.py tests/engine/test_async_scheduling.py \
+      tests/engine/test_engine.py tests/engine/test_compiled_decode.py -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
 ab)
   round=${2:-1}
   for pair in "$before before" ". after"; do

@@ -15,8 +15,9 @@ for tree in $trees; do
 done
 case "${1:-tests}" in
 tests)
-  PYTHONPATH="$PWD" python3 -m pytest tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_engine.py \
-      tests/test_paged_kv_cache.py tests/test_generate.py tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+  PYTHONPATH="$PWD" python3 -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py \
+      tests/engine/test_engine.py tests/engine/test_paged_kv_cache.py tests/decoding/test_generate.py \
+      tests/kernels/test_kernels.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 ab)  # one round: each tree in a fresh process, after a full untimed run of the workload
   round=${2:-1}
   for tree in $trees; do

@@ -74,7 +74,7 @@ def compare(B: int, L: int, args: argparse.Namespace) -> dict:  # noqa: N803
 def main() -> None:
     args = decode_shapes_parser(__doc__.splitlines()[0]).parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kv_quant_decode.py needs a CUDA GPU; on a CPU, tests/test_kernels.py runs the "
+        sys.exit("benchmarks/kv_quant_decode.py needs a CUDA GPU; on a CPU, tests/kernels/test_kernels.py runs the "
                  "kernel on 8-bit pools through Triton's interpreter.")
     warm_up_gpu()
     copy_gbs, _ = copy_bandwidth()

@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     args = parser.parse_args()
     copy_gbs = start_on_gpu("paged_attention.py",
-                            "tests/test_kernels.py runs the paged kernel through Triton's interpreter.")
+                            "tests/kernels/test_kernels.py runs the paged kernel through Triton's interpreter.")
     rows = []
     for L in args.seqlens:
         for B in args.batches:

@@ -38,7 +38,7 @@ to the queries' 16-bit dtype, the key scales multiply the scores after the q k^T
 key column), and the value scales multiply the softmax weights before the p v dot (one per value row).
 The bytes read per key fall from 2 x D x 2 to 2 x (D + 4) in bf16.
 
-Correctness: `decode_attention_reference` is the definition; tests/test_kernels.py compares the two
+Correctness: `decode_attention_reference` is the definition; tests/kernels/test_kernels.py compares the two
 at many shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1), and
 benchmarks/decode_attention.py measures GB/s on a GPU against SDPA and the copy bandwidth.
 """

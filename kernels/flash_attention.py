@@ -36,7 +36,7 @@ Chapter 05 packs the prompt chunks of one engine step side by side in one row, w
 and keys through per-sequence offsets ("varlen" attention, as vLLM and FlashAttention's own API call it),
 so that one launch serves every sequence of the step.
 
-Correctness: `attention_reference` below is the definition; tests/test_kernels.py compares
+Correctness: `attention_reference` below is the definition; tests/kernels/test_kernels.py compares
 the two on random inputs (on the CPU through Triton's interpreter, `TRITON_INTERPRET=1`), and
 benchmarks/attention.py measures TFLOP/s on a GPU against PyTorch's SDPA and naive attention.
 """

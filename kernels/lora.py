@@ -23,7 +23,7 @@ sum: no `tl.dot`, which needs 16 rows); one expand program computes BLOCK_OUT ou
 with no adapter returns at once. Rows may be a column slice of a wider output (y strided), which is how
 minillm adds q's, k's and v's updates into their slices of the stacked qkv_proj output. Ranks must be
 equal across slots: smaller ones are padded with zeros (they add exactly zero).
-tests/test_lora.py checks the kernel against the references through Triton's CPU interpreter.
+tests/lora/test_lora.py checks the kernel against the references through Triton's CPU interpreter.
 """
 
 # ruff: noqa: N803 - Triton kernels name compile-time constants and pointers in capitals (BLOCK_R, X)

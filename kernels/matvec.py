@@ -26,7 +26,7 @@ expf agrees with PyTorch's, as for `silu_and_mul`; the tests run through the int
 
 `matvec_reference` is the definition: `F.linear` (on the silu_and_mul of x when swiglu). The kernel sums
 in a different order than cuBLAS, so the two agree to fp32 rounding of the sums, then one rounding to
-the output dtype. tests/test_fused_kernels.py checks it through Triton's CPU interpreter (and on a GPU).
+the output dtype. tests/kernels/test_fused_kernels.py checks it through Triton's CPU interpreter (and on a GPU).
 
 Measured (H200, benchmarks/matvec.py, results/matvec/cuda.json): the batch-1 replay of Llama-3.2-1B's
 shape 1.13 -> 1.03 ms, of Llama-3-8B's 4.73 -> 4.54 ms, mostly from fewer kernels (chapter 05).

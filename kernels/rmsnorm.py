@@ -21,7 +21,7 @@ sum is rounded to the input dtype, normalised in fp32, rounded again, then scale
 so the two agree to the last bit or nearly.
 
 benchmarks/attention.py measures the fused kernel's GB/s against the unfused version;
-tests/test_kernels.py checks it against the reference through Triton's CPU interpreter.
+tests/kernels/test_kernels.py checks it against the reference through Triton's CPU interpreter.
 """
 
 # ruff: noqa: N803 - Triton kernels name compile-time constants and pointers in capitals (BLOCK, X)

@@ -34,7 +34,7 @@ fp32 matches too. On a GPU the kernel and `fused_rotary_reference` should theref
 last bit, save where libdevice and PyTorch's cos or sin differ (on an H100, with Triton 3.6 and
 PyTorch 2.11, they agreed on every element in fp32, fp16 and bf16, positions up to 131071). On the
 CPU interpreter NumPy computes cos and sin (possibly a unit in the last fp32 place off) and rounds
-fp32 -> bf16 toward zero (tests/test_kernels.py says more), so bf16 there may differ by an ulp or two.
+fp32 -> bf16 toward zero (tests/kernels/test_kernels.py says more), so bf16 there may differ by an ulp or two.
 
 Layout. q [N, H, D] and k [N, H_kv, D] hold one row per token (the model's [B, T] flattened);
 each may be a strided view, such as the query and key columns of the one qkv projection
@@ -50,7 +50,7 @@ stores the token's rotated key heads and copies its value heads straight to row 
 as [slots, H_kv, D], instead of writing k out for two more kernels (`store_kv`, once for keys, once for
 values) to copy: a captured decode step of the 1B shape went from 216 to 184 kernels.
 
-tests/test_fused_kernels.py checks the kernel against `fused_rotary_reference` through Triton's
+tests/kernels/test_fused_kernels.py checks the kernel against `fused_rotary_reference` through Triton's
 CPU interpreter (and on a GPU where there is one).
 """
 

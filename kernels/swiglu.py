@@ -22,7 +22,7 @@ and PyTorch 2.11, they agreed on every element in fp32, fp16 and bf16). Under th
 NumPy computes exp, and fp32 -> bf16 rounds toward zero, so bf16 there may differ by an ulp or two.
 
 One program handles one row's block of BLOCK output columns; rows may be strided (a slice of a wider
-matrix), the last dim contiguous (else it is copied first). tests/test_fused_kernels.py checks the
+matrix), the last dim contiguous (else it is copied first). tests/kernels/test_fused_kernels.py checks the
 kernel against the reference through Triton's CPU interpreter (and on a GPU where there is one).
 """
 

@@ -157,7 +157,7 @@ def needs_bwrap() -> None:
         pytest.skip(problem)
 
 
-# An honest answer to chapter 00's rotary task, for notebooks the grader tests build (tests/test_grading*.py)
+# An honest answer to chapter 00's rotary task, for notebooks the grader tests build (tests/book/test_grading*.py)
 GRADER_IMPORTS = "import torch\nfrom minillm.book.grading import check"
 OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
     d = x.shape[-1]

@@ -53,7 +53,7 @@ def generate_n(
 
     Row i draws from its own generator seeded params.seed + i, so it samples exactly the tokens
     `generate(model, prompt, replace(params, seed=seed + i))` samples (up to the last bits of
-    batched arithmetic; see tests/test_inference_scaling.py), and results are reproducible. Without a seed
+    batched arithmetic; see tests/decoding/test_inference_scaling.py), and results are reproducible. Without a seed
     every row draws from torch's global generator.
 
     Args:

@@ -14,7 +14,7 @@ the draft plus one token of the target's own:
 Every token emitted this way is distributed exactly as the target's own sample would be (Leviathan
 et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
 "Accelerating Large Language Model Decoding with Speculative Sampling"); chapter 07 proves it and
-`tests/test_speculative.py` checks it with a chi-squared test. At temperature 0 the rule becomes:
+`tests/sampler/test_speculative.py` checks it with a chi-squared test. At temperature 0 the rule becomes:
 accept while the draft equals the target's argmax (`verify_greedy`), so the output is greedy
 decoding's, token for token.
 

@@ -24,7 +24,7 @@ Drills live in `minillm/book/grading/drills/NN_<slug>.yaml`, one file per chapte
         explanation: 2 x 32 x 32 x 128 x 2 bytes ...
 
 A `choice` drill has `choices` (a list of strings) and `answer` equal to the correct one; an
-`open` drill has a model `answer` and `key_points` to self-assess against. `tests/test_drills.py`
+`open` drill has a model `answer` and `key_points` to self-assess against. `tests/book/test_drills.py`
 recomputes every numeric answer from its `compute` entry.
 
 Use from a notebook:

@@ -9,7 +9,7 @@
     logits ─ mask_logits (disallowed -> -inf) ─ sample ─► token ─ advance the DFA by its bytes ─► next state
 
 * EOS is allowed exactly in accepting states: the model may stop only when the text is a full match.
-* The token index agrees with outlines-core's (tests/test_constrained.py walks both) except where the
+* The token index agrees with outlines-core's (tests/sampler/test_constrained.py walks both) except where the
   dialects differ: Rust's \\d \\w \\s are Unicode, its DFA is leftmost-first (in `a|ab` it never
   reaches "ab"), and outlines-core 0.2.14 drops a token read right after a full match whose end is not
   itself a match (after "1", it forbids "." in `[0-9]+(\\.[0-9]+)?`, though "1.5" matches).

@@ -3,7 +3,7 @@ against their PyTorch references.
 
 Without a GPU the kernels run on the CPU through Triton's interpreter: TRITON_INTERPRET=1 must be
 set before the kernel modules are imported (Triton decides at decoration time), so this file sets it
-first, as tests/test_kernels.py does. The interpreter runs each program in NumPy, slowly, so the
+first, as tests/kernels/test_kernels.py does. The interpreter runs each program in NumPy, slowly, so the
 shapes are small: both kernels launch one program per token (rotary) or per row and 1024 columns
 (SwiGLU), a few dozen programs at most here.
 
@@ -11,7 +11,7 @@ What "agree" means. Both kernels round like the PyTorch they replace, operation 
 their module docstrings), so on a GPU they should match the references to the last bit, or within
 an ulp where libdevice's cos, sin or exp and PyTorch's differ in the last fp32 place. Under the
 interpreter NumPy computes cos, sin and exp (an fp32 ulp or two from PyTorch's), fp16 rounds as on a
-GPU, but fp32 -> bf16 rounds toward zero rather than to nearest (tests/test_kernels.py's docstring),
+GPU, but fp32 -> bf16 rounds toward zero rather than to nearest (tests/kernels/test_kernels.py's docstring),
 so bf16 results there may differ by an ulp or two for each rounding. Each test states its bound in
 ulps of the dtype, measured against the size of the terms that were rounded.
 """
@@ -52,7 +52,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and not all(m._interpreted() for m in (ROTARY, SWIGLU, MATVEC, GREEDY)):
     pytest.skip(
         "minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; "
-        "run this file on its own (pytest tests/test_fused_kernels.py)",
+        "run this file on its own (pytest tests/kernels/test_fused_kernels.py)",
         allow_module_level=True,
     )
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -410,7 +410,7 @@ def test_matvec_rejects_bad_inputs(monkeypatch):
 
 def test_pdl_is_asked_for_on_cuda_only_and_can_be_turned_off(monkeypatch):
     """kernels/pdl.py: no programmatic dependent launch for CPU tensors (the interpreter) or with MINILLM_PDL=0, even
-    inside `launches()`, and the launch keyword only when asked for. (On a GPU, tests/test_cuda_graphs.py checks
+    inside `launches()`, and the launch keyword only when asked for. (On a GPU, tests/engine/test_cuda_graphs.py checks
     that only graphs use it, and the logits with and without.)"""
     pdl = sys.modules["minillm.kernels.pdl"]
     with pdl.launches():

@@ -24,7 +24,7 @@ from minillm.engine import LLM  # noqa: E402
 from minillm.eval import Task, exact_match, load_task, loglikelihood, multiple_choice  # noqa: E402
 from minillm.eval.harness import YAML_DIR, MinillmLM  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<room>/ is two folders below the root
 LIMIT = 40  # documents of each task
 
 

@@ -2,7 +2,7 @@
 
 Parity is against `peft`'s `PeftModel` over the `transformers` model, on the CPU, for a random Llama-shape model
 and for the shipped model. The batched LoRA kernel runs through Triton's CPU interpreter (TRITON_INTERPRET=1,
-set before anything imports triton, as tests/test_kernels.py does), on small shapes.
+set before anything imports triton, as tests/kernels/test_kernels.py does), on small shapes.
 """
 
 from __future__ import annotations

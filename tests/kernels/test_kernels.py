@@ -43,7 +43,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and not FA._interpreted():
     pytest.skip(
         "minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; "
-        "run this file on its own (pytest tests/test_kernels.py)",
+        "run this file on its own (pytest tests/kernels/test_kernels.py)",
         allow_module_level=True,
     )
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -4,7 +4,7 @@ On a CPU the capture itself cannot run, but everything around it can: the choice
 static input buffer (padding rows, stale columns, reuse across sizes) and the step's code over that
 buffer (`DecodeGraphs(capture=False)` runs exactly what a graph records, eagerly), through Triton's
 interpreter, since the step reads the cache with the paged decode kernel. TRITON_INTERPRET=1 must be
-set before the kernels are imported, so this file sets it first (as tests/test_kernels.py does).
+set before the kernels are imported, so this file sets it first (as tests/kernels/test_kernels.py does).
 On CUDA the replayed graphs must give the eager engine's tokens, token for token.
 """
 
@@ -35,7 +35,7 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 interpreter_only = pytest.mark.skipif(CUDA, reason="runs the step eagerly on CPU tensors, through the interpreter")
 if not CUDA and not DECODE._interpreted():
     pytest.skip("minillm.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels need a GPU; run this "
-                "file on its own (pytest tests/test_cuda_graphs.py)", allow_module_level=True)
+                "file on its own (pytest tests/engine/test_cuda_graphs.py)", allow_module_level=True)
 
 
 @pytest.mark.parametrize("max_batch, sizes", [

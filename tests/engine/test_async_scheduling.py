@@ -5,7 +5,7 @@ forward there (placeholders in the host's token lists, swapped on the device); t
 later, while that next forward runs, and applies the stop rules then. So a sequence that ended may compute
 one more row, which is dropped. On a CPU the order changes but nothing overlaps; these tests check there that
 every output is what the synchronous engine gives: the same tokens, text and finish reasons, and
-log-probabilities within last-bit noise (the GPU run in tests/test_cuda_graphs.py checks it
+log-probabilities within last-bit noise (the GPU run in tests/engine/test_cuda_graphs.py checks it
 again on the device, replayed graphs included).
 """
 
@@ -138,7 +138,7 @@ def test_the_same_rows_are_computed_and_the_same_blocks_named(shipped, text_ids)
 
 def test_each_step_returns_the_step_befores_tokens(shipped, text_ids):
     """The first step's tokens are still on the device when it returns; every later call returns the call before's
-    (tests/test_engine.py checks deltas, aborts and random arrivals with async scheduling on and off)."""
+    (tests/engine/test_engine.py checks deltas, aborts and random arrivals with async scheduling on and off)."""
     model, tok = shipped
     engine = LLMEngine(model, tok, async_scheduling=True)
     engine.add_request("a", text_ids[:12], SamplingParams(temperature=0, max_tokens=3))

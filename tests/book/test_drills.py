@@ -32,7 +32,7 @@ from minillm.book.grading.drills import (
 ALL = load_drills()
 NUMERIC = [d for d in ALL if d.kind == "numeric"]
 CHAPTERS = [f"{i:02d}" for i in range(10)]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<room>/ is two folders below the root
 
 
 # ------------------------------------------------------------------------------------ the bank

@@ -339,7 +339,7 @@ def test_task_6_copy_block_copies_codes_and_scales():
 # ------------------------------------------------------------------ task 7: the CUDA paths read 8-bit pools
 def test_task_7_a_quantised_paged_cache_hands_codes_and_scales_to_the_paged_kernel(monkeypatch):
     """On CUDA a decode step reads the pools in place with the paged kernel; a quantised cache's pools come with
-    their scales (QuantizedPool), which the kernel dequantises as it reads (tests/test_kernels.py checks it)."""
+    their scales (QuantizedPool), which the kernel dequantises as it reads (tests/kernels/test_kernels.py checks it)."""
     from minillm.quant.kv import QuantizedPool
 
     monkeypatch.setattr("minillm.engine.kv_cache.use_triton_attention", lambda x, d: True)  # as on a CUDA GPU
