@@ -30,7 +30,8 @@ def measure(threads: int) -> dict:
     import torch
 
     import minillm
-    from minillm.engine import LLM, LLMEngine
+    from minillm.decoding.llm import LLM
+    from minillm.engine import LLMEngine
     from minillm.eval.bench import SHAKESPEARE
     from minillm.sampler.sampling import SamplingParams
 

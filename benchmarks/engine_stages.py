@@ -33,7 +33,8 @@ from common import write_results
 from engine_throughput import LLAMA_1B, add_workload_arguments, make_requests, random_llama_1b, run_minillm
 
 from minillm import arithmetic
-from minillm.engine import LLM, llm_engine, model_runner
+from minillm.decoding.llm import LLM
+from minillm.engine import llm_engine, model_runner
 from minillm.engine.scheduler import Scheduler
 from minillm.sampler.sampling import SamplingParams
 

@@ -39,7 +39,7 @@ from common import write_results
 
 import minillm
 from minillm import arithmetic
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.model_runner import StepTokens
 from minillm.sampler.sampling import SamplingParams
 

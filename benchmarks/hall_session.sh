@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 52's GPU checks on one lease: the CUDA tests of the engine, then the tree before the change (d8b3301) and
-# this tree alternated on the host's step (engine_host_step, batches 1/64/256), the batch-1 decode step and
-# offline throughput. Results to $OUT/<label>_<benchmark>_r<round>.json. Each mode fits the device's 10 minutes:
-#   bash benchmarks/hall_session.sh {tests|ab ROUND}
-# Needs ab_d8b3301/ carried to the device: git archive d8b3301 minillm kernels benchmarks ':!minillm/models' | tar -x
+# Issue 52's GPU checks on one lease: the CUDA tests of the engine, then the tree before a change and this tree
+# alternated (odd rounds before first, even rounds after first) on the host's step (engine_host_step, batches
+# 1/64/256), the batch-1 decode step and offline throughput. Results to $OUT/<label>_<benchmark>_r<round>.json.
+# Each mode fits the device's 10 minutes:
+#   BEFORE=ab_<commit> bash benchmarks/hall_session.sh {tests|ab ROUND}
+# Needs the before tree carried to the device (BEFORE, default ab_d8b3301, the first round of issue 52):
+#   mkdir ab_C && git archive C minillm kernels benchmarks ':!minillm/models' | tar -x -C ab_C
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-before=ab_d8b3301
+before=${BEFORE:-ab_d8b3301}
 for tree in "$before" .; do
   [ -e "$tree/minillm/kernels" ] || ln -s "$(cd "$tree" && pwd)/kernels" "$tree/minillm/kernels"  # no install needed
 done
@@ -24,7 +26,9 @@ tests)
       tests/engine/test_engine.py tests/engine/test_compiled_decode.py -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
 ab)
   round=${2:-1}
-  for pair in "$before before" ". after"; do
+  pairs=("$before before" ". after")
+  [ $((round % 2)) -eq 0 ] && pairs=(". after" "$before before")
+  for pair in "${pairs[@]}"; do
     set -- $pair
     run "$1" "$2" "$round" engine_host_step --device cuda --batches 1 64 256
     run "$1" "$2" "$round" roofline --shapes llama-1B --batches 1 --hf none

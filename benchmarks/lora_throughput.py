@@ -32,7 +32,7 @@ from minillm.kernels import add_lora_gathered, add_lora_reference
 
 import minillm
 from minillm.config import ModelConfig
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.lora import LoRAAdapter, LoRASlots, merge_adapter, target_rows, unmerge_adapter
 from minillm.sampler.sampling import SamplingParams
 

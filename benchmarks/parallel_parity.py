@@ -24,7 +24,7 @@ from roofline import SHAPES
 import minillm
 from minillm.checkpoints import save
 from minillm.config import ModelConfig
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.parallel.pipeline import run_pipeline
 from minillm.sampler.sampling import SamplingParams

@@ -32,7 +32,7 @@ import torch
 from common import write_results
 
 import minillm
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.eval import (
     ThroughKVCache,

@@ -29,7 +29,7 @@ from common import write_results
 
 import minillm
 from minillm import arithmetic
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward

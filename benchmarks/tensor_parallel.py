@@ -29,10 +29,11 @@ from roofline import SHAPES
 
 import minillm
 from minillm.config import ModelConfig
-from minillm.engine import LLMEngine
+from minillm.engine import EngineConfig, LLMEngine
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
+from minillm.parallel.tensor import start_group
 from minillm.parallel.workers import free_port
 from minillm.sampler.sampling import SamplingParams
 
@@ -116,9 +117,9 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int,
 def engine_for(model: Transformer, tokenizer: object, tp: int, batch: int, context: int, steps: int,
                graphs: bool = False) -> LLMEngine:
     blocks = batch * (context + steps + 18) // 16 + 4
-    return LLMEngine(model, tokenizer, num_blocks=blocks, max_num_seqs=batch, max_num_batched_tokens=max(
-        8 * context, batch), enable_prefix_caching=False, cuda_graphs=None if graphs else False,
-        tensor_parallel_size=tp)
+    config = EngineConfig(num_blocks=blocks, max_num_seqs=batch, max_num_batched_tokens=max(8 * context, batch),
+                          enable_prefix_caching=False, cuda_graphs=None if graphs else False, tensor_parallel_size=tp)
+    return LLMEngine(model, tokenizer, config, group=start_group(model, config))
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ _EXPORTS = {
     "KVCache": "minillm.contiguous_cache",
     "Transformer": "minillm.model",
     "generate_n": "minillm.decoding.parallel_sampling",
+    "LLM": "minillm.decoding.llm",
     "SamplingParams": "minillm.sampler.sampling",
     "sample": "minillm.sampler.sampling",
     "Tokenizer": "minillm.tokenizer",

@@ -139,7 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         import json
 
         from minillm.checkpoints import CheckpointError, load
-        from minillm.engine import LLM
+        from minillm.decoding.llm import LLM
         from minillm.eval import agreement, compare, exact_match, format_table, load_task, multiple_choice, perplexity
         from minillm.quant.calibration import validation_ids
 

@@ -10,12 +10,12 @@
     compiled_step.py  CompiledDecode: the CPU's counterpart, a decode step compiled ahead of time
     draft_model.py    DraftModelDrafter: speculative decoding's draft model, on a paged cache of its own (chapter 07)
     engine_config.py  EngineConfig: every setting of an engine but the model and tokenizer, in one object
-    llm_engine.py     LLMEngine: step = schedule -> run -> postprocess; LLM: offline batch inference
+    llm_engine.py     LLMEngine: step = schedule -> run -> postprocess
 
-    from minillm.engine import LLM, EngineConfig, LLMEngine
+    from minillm.engine import EngineConfig, LLMEngine   # LLM, the offline front door over it: minillm.decoding.llm
 """
 
 from minillm.engine.engine_config import EngineConfig
-from minillm.engine.llm_engine import LLM, LLMEngine, RequestOutput, n_best_by_logprob
+from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "n_best_by_logprob"]
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "n_best_by_logprob"]

@@ -163,21 +163,21 @@ class DecodeGraphs:
 
     def load(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
              allocated: bool = False) -> tuple[int, int]:
-        """Put a decode step's rows into the fixed buffer -> (padded batch, columns used). Allocates the step's
-        blocks (unless `allocated`: the engine's scheduler did), takes the rows from the cache's input builder and
-        copies them (`RowsToDevice`: the host does not wait). A negative token is still on the device (async
-        scheduling): it is taken from `previous`, the step before's sampled tokens."""
+        """Put a decode step's rows into the fixed buffer, and commit its tokens -> (padded batch, columns used).
+        Allocates the step's blocks (unless `allocated`: the engine's scheduler did), takes the rows from the
+        cache's input builder, which appends each token to its table in the same pass (the replay that follows
+        writes their keys and values, next on the same stream), and copies them (`RowsToDevice`: the host does
+        not wait). A negative token is still on the device (async scheduling): it is taken from `previous`, the
+        step before's sampled tokens."""
         if not seq_ids or len(seq_ids) != len(token_ids):
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
         cache, size = self.cache, padded_batch_size(len(seq_ids), self.sizes)
         if not allocated:
             cache.allocate_slots(seq_ids, [1] * len(seq_ids))
-        self.tables = [cache.block_tables[seq_id] for seq_id in seq_ids]  # (for `run`'s commit)
-        rows = cache.builder.decode_rows(seq_ids, self.tables, token_ids, size, self.pad_row)
+        rows, _, filled = cache.builder.decode_rows(seq_ids, cache.block_tables, token_ids, size, self.pad_row,
+                                                    commit=True, max_len=self.max_seq_len)
+        cache.name_full_blocks(filled)
         width = rows.shape[1]
-        if cache.builder.longest > self.max_seq_len:
-            raise ValueError(f"a sequence would hold {cache.builder.longest} tokens, more than the {self.max_seq_len} "
-                             "these graphs were captured for: create DecodeGraphs with a larger max_seq_len.")
         self.upload(rows, self.inputs[:size, :width])
         if previous is not None:
             swap_inflight(self.inputs[:size, TOKEN], previous)
@@ -193,8 +193,6 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
             allocated: bool = False) -> torch.Tensor:
-        """One decode step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: `load`, replay, commit."""
+        """One decode step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: `load`, then replay."""
         size, width = self.load(seq_ids, token_ids, previous, allocated)
-        logits = self.replay(size, width, len(seq_ids))
-        self.cache.commit_decode(self.tables, token_ids)
-        return logits
+        return self.replay(size, width, len(seq_ids))

@@ -49,3 +49,16 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine setting(s) {unknown}; an engine takes: {', '.join(sorted(known))}")
         return replace(config or cls(), **options)
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """A ValueError for settings tensor parallelism cannot run with (checked before any worker starts)."""
+    n = config.tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}.")
+    if n != 1 and (config.speculative is not None or config.compile_decode):
+        raise ValueError("tensor_parallel_size > 1 runs plain eager steps: leave speculative and compile_decode off "
+                         "with it.")
+    if n != 1 and config.async_scheduling:
+        raise ValueError("async_scheduling=True runs ahead of the host, which tensor parallelism (its workers get "
+                         "the tokens from the host) cannot: leave async_scheduling unset with it.")

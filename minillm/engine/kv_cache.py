@@ -68,7 +68,7 @@ from minillm.engine.block_manager import (
     lora_root_hash,
     prefix_block_hashes,
 )
-from minillm.engine.step_inputs import StepInputBuilder, StepInputs
+from minillm.engine.step_inputs import PackedInputs, StepInputBuilder, StepInputs
 from minillm.model import PackedPrefill, PagedDecode, attention_mask, use_triton_attention
 from minillm.quant.kv import (
     allocate_pools,
@@ -334,7 +334,7 @@ class PagedKVCache:
         self.allocate_slots(seq_ids, [len(new) for new in token_ids])
         tables = [self._table(s) for s in seq_ids]
         view = PackedCacheView if packed else PagedCacheView
-        return view(self, list(seq_ids), tables, [[int(t) for t in new] for new in token_ids])
+        return view.of_tables(self, list(seq_ids), tables, [[int(t) for t in new] for new in token_ids])
 
     def commit(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> None:
         """The new tokens' keys and values are written: add them to their tables, and name every block they
@@ -343,15 +343,11 @@ class PagedKVCache:
             table.token_ids.extend(new)
             self._name_full_blocks(table)
 
-    def commit_decode(self, tables: Sequence[BlockTable], token_ids: Sequence[int]) -> None:
-        """`commit` for one new token per table (a decode step), in one pass: a table is looked at for the prefix
-        cache only when its token fills a block (a block left waiting for a token in flight is named by
-        `resolve_token`)."""
-        bs = self.block_size
-        for table, token in zip(tables, token_ids):
-            table.token_ids.append(int(token))
-            if table.num_tokens % bs == 0:
-                self._name_full_blocks(table)
+    def name_full_blocks(self, tables: Sequence[BlockTable]) -> None:
+        """Name in the prefix cache each full block of `tables` not yet named (their tokens were committed by the
+        graph runner's `StepInputBuilder.decode_rows(commit=True)`, which lists the tables whose block filled)."""
+        for table in tables:
+            self._name_full_blocks(table)
 
     def _name_full_blocks(self, table: BlockTable) -> None:
         """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token
@@ -398,12 +394,52 @@ class PagedCacheView:
     row's own length.
     """
 
-    def __init__(
-        self, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable], token_ids: list[list[int]]
-    ) -> None:
-        self.cache, self.seq_ids, self.tables, self.token_ids = cache, seq_ids, tables, token_ids
-        self._set_inputs(cache.builder.build(seq_ids, tables, token_ids, cache.device),
-                         [t.num_tokens for t in tables], [len(new) for new in token_ids])
+    def __init__(self, cache: PagedKVCache, inputs: StepInputs, context_lens: list[int] | None = None,
+                 num_new: list[int] | None = None, *, key_range: int | None = None, in_pytorch: bool = False,
+                 tables: Sequence[BlockTable] = (), token_ids: Sequence[list[int]] = ()) -> None:
+        """The one constructor, for every path.
+
+        With each row's cached and new token counts (`context_lens`, `num_new`, known on the host), the view
+        of an eager step: `of_tables` makes it from the engine's block tables, and a tensor-parallel worker,
+        which holds no tables, from rank 0's inputs alone (chapter 08). Without them, the view of a captured (or
+        compiled) decode step over fixed rows: one new token per row, nothing read on the host, attention
+        through the tables over `key_range` keys (`of_decode_rows`). `advance` commits `token_ids` to `tables`,
+        if the view was given them.
+        """
+        self.cache, self.inputs, self.T = cache, inputs, inputs.T
+        self.tables, self.token_ids = list(tables), list(token_ids)  # what `advance` commits
+        self.tokens, self.position_ids = inputs.tokens, inputs.position_ids
+        self.slot_mapping, self.block_tables = inputs.slot_mapping, inputs.block_tables
+        self.padded, self.write_rows = False, None  # with padding: the flat indices of the real tokens in [B * T]
+        self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
+        self._read_slots: torch.Tensor | None = None
+        self.fixed: PagedDecode | None = None  # a captured decode step's attention
+        self.done = False
+        if context_lens is None or num_new is None:  # a fixed decode step: slices of `rows`, read when it runs
+            if key_range is None or self.T != 1:
+                raise ValueError("a view without host lengths is a fixed decode step: T = 1, and key_range given")
+            self.write_slots = self.slot_mapping[:, 0].contiguous()  # [B]
+            self.max_seq_len, self.read_pools = key_range, True
+            self.fixed = PagedDecode(self.block_tables, inputs.seq_lens, key_range, cache.dtype, in_pytorch)
+            return
+        self.context_lens, self.num_new = context_lens, num_new
+        self.seq_lens = [c + n for c, n in zip(context_lens, num_new)]
+        self.max_seq_len = max(self.seq_lens)
+        self.padded = min(num_new) < self.T  # whether some rows are left-padded
+        # Where the new keys and values go: every new token's slot, padding left out.
+        self.write_slots = self.slot_mapping.reshape(-1)
+        if self.padded:
+            rows = [b * self.T + j for b, n in enumerate(num_new) for j in range(self.T - n, self.T)]
+            self.write_rows = to_device(rows, torch.int64, cache.device)
+            self.write_slots = self.write_slots.index_select(0, self.write_rows)
+
+    @classmethod
+    def of_tables(cls, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable],
+                  token_ids: list[list[int]]) -> PagedCacheView:
+        """An eager step over the engine's sequences: row b runs token_ids[b] after the tokens tables[b] holds."""
+        inputs = cache.builder.build(seq_ids, tables, token_ids, cache.device)
+        return cls(cache, inputs, [t.num_tokens for t in tables], [len(new) for new in token_ids],
+                   tables=tables, token_ids=token_ids)
 
     @classmethod
     def of_decode_rows(cls, cache: PagedKVCache, rows: torch.Tensor, key_range: int,
@@ -419,40 +455,7 @@ class PagedCacheView:
         (`fused_write_target`). `advance` has nothing to commit: the runner commits the tokens outside the step.
         `cache` may be any object with `layer_pools` and `dtype` (the compiled step passes its own pools).
         """
-        view = cls.__new__(cls)
-        view.cache, view.seq_ids, view.tables, view.token_ids = cache, [], [], []
-        view.inputs = step = StepInputs(rows, T=1)
-        view.T, view.tokens, view.position_ids = 1, step.tokens, step.position_ids
-        view.slot_mapping, view.block_tables = step.slot_mapping, step.block_tables
-        view.write_slots = step.slot_mapping[:, 0].contiguous()  # [B]
-        view.padded, view.write_rows, view.read_pools, view._read_slots, view.done = False, None, True, None, False
-        view.max_seq_len = key_range
-        view.fixed = PagedDecode(step.block_tables, step.seq_lens, key_range, cache.dtype, in_pytorch)
-        return view
-
-    def _set_inputs(self, inputs: StepInputs, context_lens: list[int], num_new: list[int]) -> None:
-        """Everything the forward reads, from the step's inputs and each row's cached and new token counts (a
-        tensor-parallel worker, which holds no block tables, builds its view from these alone: chapter 08)."""
-        cache = self.cache
-        self.context_lens, self.num_new = context_lens, num_new
-        self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
-        self.max_seq_len = max(self.seq_lens)
-        self.inputs = inputs
-        self.T = self.inputs.T
-        self.tokens, self.position_ids = self.inputs.tokens, self.inputs.position_ids
-        self.slot_mapping, self.block_tables = self.inputs.slot_mapping, self.inputs.block_tables
-        self.padded = min(self.num_new) < self.T  # whether some rows are left-padded
-        # Where the new keys and values go: every new token's slot, padding left out.
-        self.write_slots = self.slot_mapping.reshape(-1)
-        self.write_rows: torch.Tensor | None = None  # with padding: the flat indices of the real tokens in [B * T]
-        if self.padded:
-            rows = [b * self.T + j for b, n in enumerate(self.num_new) for j in range(self.T - n, self.T)]
-            self.write_rows = to_device(rows, torch.int64, cache.device)
-            self.write_slots = self.write_slots.index_select(0, self.write_rows)
-        self.read_pools = False  # set by attention_mask when the paged kernel reads the pools directly
-        self._read_slots: torch.Tensor | None = None
-        self.fixed: PagedDecode | None = None  # a captured decode step's attention (`of_decode_rows`)
-        self.done = False
+        return cls(cache, StepInputs(rows, T=1), key_range=key_range, in_pytorch=in_pytorch)
 
     # ---------------------------------------------------------------- the CacheView interface
     def positions(self, n: int) -> torch.Tensor:
@@ -543,7 +546,7 @@ class PagedCacheView:
         if self.done:
             raise RuntimeError("this step was already run: prepare a new one for the next forward.")
         self.done = True
-        if self.tables:  # a captured step's view (`of_decode_rows`) has none: its runner commits outside the step
+        if self.tables:  # a captured step's runner and a tensor-parallel worker commit nothing here
             self.cache.commit(self.tables, self.token_ids)
 
 
@@ -565,20 +568,24 @@ class PackedCacheView(PagedCacheView):
     the S read slots, the P last rows, then the offsets of each sequence's queries and keys (for the kernel).
     """
 
-    def __init__(
-        self, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable], token_ids: list[list[int]]
-    ) -> None:
-        self.cache, self.seq_ids, self.tables, self.token_ids = cache, seq_ids, tables, token_ids
+    def __init__(self, cache: PagedKVCache, packed: PackedInputs, tables: list[BlockTable],
+                 token_ids: list[list[int]]) -> None:
+        self.cache, self.tables, self.token_ids = cache, tables, token_ids
         self.context_lens = [t.num_tokens for t in tables]
         self.num_new = [len(new) for new in token_ids]
         self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
-        packed = cache.builder.packed(tables, token_ids, cache.device)
         self.T = sum(self.num_new)
         self.tokens, self.position_ids = packed.tokens, packed.position_ids  # [1, N] each
         self.write_slots, self._read_slots, self.last_rows = packed.write_slots, packed.read_slots, packed.last_rows
         self.max_seq_len = packed.read_slots.shape[0]  # `update` reads S keys for its one row
         self.mask = PackedPrefill(packed.q_starts, packed.k_starts, packed.offsets)
         self.padded, self.write_rows, self.read_pools, self.fixed, self.done = False, None, False, None, False
+
+    @classmethod
+    def of_tables(cls, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable],
+                  token_ids: list[list[int]]) -> PackedCacheView:
+        """The packed step over the engine's sequences (`PagedKVCache.prepare(..., packed=True)`)."""
+        return cls(cache, cache.builder.packed(tables, token_ids, cache.device), tables, token_ids)
 
     def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill:
         if window is not None:

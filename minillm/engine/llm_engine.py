@@ -65,9 +65,16 @@ import torch
 
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
-from minillm.engine.engine_config import EngineConfig
+from minillm.engine.engine_config import EngineConfig, check_tensor_parallel
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
-from minillm.engine.model_runner import ModelRunner, SampledTokens, StepTokens
+from minillm.engine.model_runner import (
+    ModelGroup,
+    ModelRunner,
+    SampledTokens,
+    StepTokens,
+    greedy_kernels_usable,
+    greedy_row,
+)
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import Constraint, default_eos_ids, prepare_prompt
 from minillm.engine.sequence import Sequence as Seq
@@ -143,10 +150,12 @@ class LLMEngine:
         compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
             and AOTInductor: seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by
             default.
-        tensor_parallel_size: split every layer across this many processes (`minillm.parallel.tensor`, chapter 08;
-            vLLM's option of the same name): this process is rank 0 and starts the others, on the CPU (gloo) or
-            one GPU each (NCCL). Its decode steps run eagerly (no CUDA graphs), without speculation. Call
-            `shutdown()` to stop the workers (they also stop when this process exits).
+        tensor_parallel_size: the ranks every layer is split across (`minillm.parallel.tensor`, chapter 08;
+            vLLM's option of the same name), this process rank 0, on the CPU (gloo) or one GPU each (NCCL). The
+            engine runs the group it is given as `group` and starts none: `minillm.LLM` and the server start it
+            (`minillm.parallel.tensor.start_group(model, config)`). Its decode steps run eagerly (no CUDA graphs),
+            without speculation. Call `shutdown()` to stop the workers (they also stop when this process exits).
+    group: the started tensor-parallel group (`ModelGroup`), with tensor_parallel_size its number of ranks.
         lora_modules: LoRA adapters to serve, {name: PEFT folder (or a `minillm.lora.LoRAAdapter`)}, checked now
             (a ValueError names a bad one); more with `add_lora`. A request picks one by name (chapter 08).
         max_loras: device slots for adapters (vLLM's option of the same name): at most this many distinct adapters
@@ -161,8 +170,9 @@ class LLMEngine:
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
-                 **options: Any) -> None:
+                 group: ModelGroup | None = None, **options: Any) -> None:
         c = EngineConfig.of(config, **options)  # keywords still work, and override a config's fields
+        check_tensor_parallel(c)
         num_blocks, async_scheduling = c.num_blocks, c.async_scheduling  # filled in below where left to the engine
         if async_scheduling is None:  # on where the host and the GPU can overlap, and nothing forbids it
             async_scheduling = model.device.type == "cuda" and c.speculative is None and c.tensor_parallel_size == 1
@@ -172,15 +182,15 @@ class LLMEngine:
                              "host) cannot: leave async_scheduling unset with them.")
         self.async_scheduling = async_scheduling
         self.inflight: StepTokens | None = None  # with async scheduling: the latest step's tokens, not read yet
-        self.tp = None
-        if c.tensor_parallel_size != 1:
-            if c.speculative is not None or c.compile_decode:
-                raise ValueError("tensor_parallel_size > 1 runs plain eager steps: leave speculative and "
-                                 "compile_decode off with it.")
-            from minillm.parallel.tensor import TensorParallel
-
-            self.tp = TensorParallel(model, c.tensor_parallel_size)
-            model = self.tp.model  # rank 0's shard: its heads, its slice of the MLP
+        self.tp = group  # a tensor-parallel group the front door started (it plugs in as the runner's forward)
+        if (group.world if group is not None else 1) != c.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={c.tensor_parallel_size} with " + (f"a group of {group.world} ranks" if group
+                else "no group") + ": the engine runs the tensor-parallel group it is given and starts none. Use "
+                "minillm.LLM(model, tokenizer, tensor_parallel_size=N), which starts it, or pass "
+                "group=minillm.parallel.tensor.start_group(model, config) with the same config.")
+        if group is not None:
+            model = group.model  # rank 0's shard: its heads, its slice of the MLP
         self.model, self.tokenizer = model, tokenizer
         draft = getattr(c.speculative.drafter, "model", None) if c.speculative is not None else None
         if draft is not None and draft.config.vocab_size != model.config.vocab_size:
@@ -462,20 +472,29 @@ class LLMEngine:
     def _forward(self, scheduled: list[tuple[Seq, int]]) -> torch.Tensor:
         """Run the model over the scheduled rows' new tokens: logits [B, V] of each row's last one (on the device).
         A row's token still in flight is a placeholder, taken from the step before's tokens on the device."""
-        ids, chunks, loras = [], [], []
-        for seq, n in scheduled:  # one pass: each row's id, its new tokens, its adapter; then they count as computed
+        ids, chunks, loras, decodes, prompts, firsts = [], [], [], [], [], []
+        for i, (seq, n) in enumerate(scheduled):  # one pass: each row's id, new tokens, adapter and group
+            start = seq.num_computed_tokens
+            new = seq.token_slice(start, start + n)
             ids.append(seq.seq_id)
-            chunks.append(seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n))
+            chunks.append(new)
             loras.append(seq.lora)
-            seq.num_computed_tokens += n
+            if n == 1:  # the runner's groups (`split_rows`): decode rows apart from prompt chunks
+                decodes.append(i)
+                firsts.append(new[0])
+            else:
+                prompts.append(i)
+            seq.num_computed_tokens = start + n  # they count as computed
         previous = self.inflight.tokens if self.inflight is not None else None
         return self.model_runner.forward(ids, chunks, loras if self.lora_slots is not None else None, previous,
-                                         allocated=True)  # [B, V]: each row's last new token; blocks: `schedule`
+                                         allocated=True,  # [B, V]: each row's last new token; blocks: `schedule`
+                                         split=(decodes, prompts, firsts))
 
     def _sample(self, scheduled: list[tuple[Seq, int]], logits: torch.Tensor) -> StepTokens | None:
         """Sample one token for every row whose prompt is done (and that did not finish meanwhile). A row whose prompt
         just completed and that asks for best_of > 1 forks now, and its new sequences sample from the same row."""
         rows, which, reordered = [], [], False
+        greedy = greedy_kernels_usable(logits)  # then: is every row plain greedy? (`plain_greedy`, in this pass)
         for i, (seq, _) in enumerate(scheduled):
             if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
                 family = [seq, *self._fork(seq)] if not seq.num_output_tokens else [seq]  # prompt done: best_of forks
@@ -485,11 +504,12 @@ class LLMEngine:
                         member.num_inflight, member.inflight_row = 1, len(rows)
                     rows.append(member)
                     which.append(i)
+                    greedy = greedy and greedy_row(member)
         if not rows:
             return None
         if reordered or len(which) != len(logits):  # (indexing by a list would copy it from pageable memory)
             logits = logits.index_select(0, to_device(which, torch.long, logits.device))
-        return self.model_runner.sample(rows, logits)
+        return self.model_runner.sample(rows, logits, plain=greedy)
 
     def _read_inflight(self) -> Iterator[SampledTokens]:
         """Async scheduling: wait for the step before's tokens; its rows, for `_append(..., inflight=True)`."""
@@ -578,51 +598,3 @@ class LLMEngine:
 def n_best_by_logprob(outputs: Sequence[RequestOutput], n: int) -> list[RequestOutput]:
     """The n outputs with the highest cumulative log-probability (ties: lower index first), as vLLM's best_of."""
     return sorted(outputs, key=lambda o: (-o.cumulative_logprob, o.index))[:n]
-
-
-class LLM:
-    """Offline batch inference: `LLM(model, tokenizer).generate(prompts, params)` (chapter 05).
-
-    Builds an `LLMEngine` (keyword arguments go to it), adds every prompt, and steps until all are done.
-    """
-
-    def __init__(self, model: Transformer | str, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, **options: Any) -> None:
-        if isinstance(model, str):
-            from minillm.checkpoints import load
-
-            model, tokenizer = load(model)
-        self.engine = LLMEngine(model, tokenizer, config, **options)
-
-    def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any (`LLMEngine.shutdown`)."""
-        self.engine.shutdown()
-
-    def generate(
-        self,
-        prompts: str | list[int] | Sequence[str | list[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        lora: str | Sequence[str | None] | None = None,
-    ) -> list[RequestOutput]:
-        """The finished `RequestOutput`s, prompt by prompt in the prompts' order: params.n of them per prompt
-        (one unless n > 1; then the n best of best_of by cumulative log-probability). params: one for all, or
-        one per prompt. lora: the LoRA adapter (a name given in `lora_modules`) for all, or one per prompt (None:
-        the base model; chapter 08)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: pass one, or one each.")
-        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA names for {len(prompts)} prompts: pass one, or one each.")
-        engine = self.engine
-        ids = [engine.add_request(None, p, sp, lora=name) for p, sp, name in zip(prompts, params, loras)]
-        finished = engine.run(use_tqdm, total=len(ids))
-        outputs = []
-        for request_id, sp in zip(ids, params):
-            group = [finished[request_id, i] for i in range(sp.best_of or sp.n)]
-            outputs += n_best_by_logprob(group, sp.n)
-        return outputs

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -85,14 +85,35 @@ class StepTokens:
         return dict(zip(top_ids[j][:k], top_values[j][:k])) if k else {}
 
 
-def plain_greedy(seqs: list[Seq], logits: torch.Tensor) -> bool:
-    """Whether every row takes its argmax from raw logits and wants only the chosen token's log-probability, with
-    minillm's Triton kernels usable on `logits` (a GPU; MINILLM_TRITON not 0)."""
+def greedy_row(s: Seq) -> bool:
+    """Whether a row takes its argmax from raw logits and wants only the chosen token's log-probability."""
+    p = s.params
+    return (p.greedy and s.constraint is None and not p.logprobs and p.repetition_penalty == 1
+            and p.frequency_penalty == 0 and p.presence_penalty == 0)
+
+
+def greedy_kernels_usable(logits: torch.Tensor) -> bool:
+    """Whether minillm's greedy sampling kernels can run on `logits` (a GPU, Triton; MINILLM_TRITON not 0)."""
     from minillm.model import _triton_kernels_run
 
-    return _triton_kernels_run(logits) and all(
-        s.params.greedy and s.constraint is None and not s.params.logprobs and s.params.repetition_penalty == 1
-        and s.params.frequency_penalty == 0 and s.params.presence_penalty == 0 for s in seqs)
+    return _triton_kernels_run(logits)
+
+
+def plain_greedy(seqs: list[Seq], logits: torch.Tensor) -> bool:
+    """Whether the greedy kernels can sample the whole step: usable on `logits`, and every row a `greedy_row`."""
+    return greedy_kernels_usable(logits) and all(map(greedy_row, seqs))
+
+
+def split_rows(token_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+    """(the rows computing one token, the others, the one rows' tokens): how `ModelRunner.forward` groups a step."""
+    decodes, prompts, firsts = [], [], []
+    for i, t in enumerate(token_ids):
+        if len(t) == 1:
+            decodes.append(i)
+            firsts.append(t[0])
+        else:
+            prompts.append(i)
+    return decodes, prompts, firsts
 
 
 @torch.inference_mode()
@@ -118,6 +139,26 @@ def paged_forward(
     return logits[0] if packed else logits[:, -1]
 
 
+class ModelGroup(Protocol):
+    """What the engine needs of a group of processes that run one model together (tensor parallelism, chapter 08):
+    `minillm.parallel.tensor.TensorParallel` is one. The front door starts it and hands it to `LLMEngine(group=...)`;
+    the engine runs every forward through it, so the engine never imports the floor above it."""
+
+    world: int  # the number of ranks
+    model: Transformer  # rank 0's shard, the model this process runs
+
+    def paged_cache(self, config: Any, num_blocks: int, block_size: int, device: torch.device | str,
+                    dtype: torch.dtype, enable_prefix_caching: bool, kv_cache_dtype: str) -> PagedKVCache:
+        """Rank 0's paged cache, and the same pool of blocks on every other rank."""
+
+    def forward(self, model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable],
+                token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`paged_forward` on every rank at once -> logits [len(seq_ids), vocab]."""
+
+    def shutdown(self) -> None:
+        """Stop the other ranks."""
+
+
 class ModelRunner:
     """Runs `model` over steps of sequences in `cache`: eager, or decode steps replayed as CUDA graphs.
 
@@ -133,8 +174,8 @@ class ModelRunner:
         compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
             (`minillm.engine.compiled_step.CompiledDecode`): the CPU's counterpart of CUDA graphs, compiled at
             the first decode step (seconds), then faster every step.
-        tp: a `minillm.parallel.tensor.TensorParallel` group whose rank 0 this is (`model` is then rank 0's
-            shard): every forward runs on all its ranks through `TensorParallel.forward` (chapter 08).
+        tp: a `ModelGroup` (tensor parallelism, chapter 08) whose rank 0 this is (`model` is then rank 0's shard):
+            every forward runs on all its ranks through its `forward`.
 
     `lora`, set by `LLMEngine.add_lora`: the `minillm.lora.LoRASlots` of the model's `LoRALinear` layers, or None.
     A forward whose rows name adapters runs under `lora.rows(...)`, eagerly: CUDA graphs (and the compiled CPU
@@ -142,7 +183,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
-                 no_graphs_reason: str | None = None, compile_decode: bool = False, tp: Any = None) -> None:
+                 no_graphs_reason: str | None = None, compile_decode: bool = False,
+                 tp: ModelGroup | None = None) -> None:
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
         self.paged_forward = paged_forward if tp is None else tp.forward
         reason = graphs_unavailable(model) or no_graphs_reason
@@ -164,11 +206,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
                 loras: Sequence[str | None] | None = None, previous: torch.Tensor | None = None,
-                allocated: bool = False) -> torch.Tensor:
+                allocated: bool = False, split: tuple[list[int], list[int], list[int]] | None = None) -> torch.Tensor:
         """The logits of each row's last new token, [len(seq_ids), V]; token_ids[i] follow what seq_ids[i] holds,
         under LoRA adapter loras[i] (None, or loras None: the base model; chapter 08). A negative id is a token
         still on the device (async scheduling): `previous` [B'] holds the step before's sampled tokens. allocated:
-        every row's blocks are allocated already (the scheduler did it), so a decode step skips the check.
+        every row's blocks are allocated already (the scheduler did it), so a decode step skips the check. split:
+        `split_rows(token_ids)`, if the caller made it in a pass of its own (the engine's `_forward` does).
 
         A rectangular batch [B, T] pads the rows shorter than the longest, and padding costs as much compute as a
         token: a 512-token prompt chunk beside 40 decodes would make 41 x 512 positions for 552 real tokens. So
@@ -180,13 +223,7 @@ class ModelRunner:
         decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
         adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
         """
-        decodes, prompts, firsts = [], [], []  # the rows computing one token (and those tokens), the others
-        for i, t in enumerate(token_ids):  # one pass over the rows
-            if len(t) == 1:
-                decodes.append(i)
-                firsts.append(t[0])
-            else:
-                prompts.append(i)
+        decodes, prompts, firsts = split if split is not None else split_rows(token_ids)
         results = []
         for group in (decodes, prompts):
             if not group:
@@ -231,7 +268,7 @@ class ModelRunner:
         return self.graphs
 
     # ------------------------------------------------------------------ choosing tokens
-    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> StepTokens:
+    def sample(self, seqs: list[Seq], logits: torch.Tensor, plain: bool | None = None) -> StepTokens:
         """One token for each of seqs from its row of logits [len(seqs), V]: each with its own params and
         generator, constrained rows masked to what their pattern allows; log-probabilities of the raw logits.
 
@@ -239,8 +276,9 @@ class ModelRunner:
         over at once (one copy each of the tokens and their log-probabilities; a float(...) per row would make
         the host wait on the GPU once per row). A step of plain greedy rows (no penalty, constraint or top
         log-probabilities) takes its tokens and their log-probabilities from two Triton kernels on a GPU
-        (`minillm.kernels.greedy_argmax`: PyTorch's argmax and log-softmax of one long row are slow, chapter 05)."""
-        if plain_greedy(seqs, logits):
+        (`minillm.kernels.greedy_argmax`: PyTorch's argmax and log-softmax of one long row are slow, chapter 05).
+        plain: `plain_greedy(seqs, logits)`, if the caller found it in a pass of its own (the engine's `_sample`)."""
+        if plain_greedy(seqs, logits) if plain is None else plain:
             from minillm.kernels import greedy_argmax
 
             tokens, chosen = greedy_argmax(logits)

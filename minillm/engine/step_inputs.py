@@ -12,18 +12,18 @@ A decode row (T = 1) is therefore   TOKEN, POSITION, SLOT, SEQ_LEN, then the tab
 Decode steps, the hot path, keep their rows from one step to the next (the idea of vLLM's "persistent batch"):
 a sequence that was in the last decode step with the same list of blocks keeps its row, and only four numbers
 (token, position, slot, length) and the block its new token goes to change. Each `PagedKVCache` owns one builder
-(`cache.inputs`); the eager forward (`PagedKVCache.prepare`), the CUDA graphs' replay and the compiled CPU step
+(`cache.builder`); the eager forward (`PagedKVCache.prepare`), the CUDA graphs' replay and the compiled CPU step
 (`minillm.engine.cuda_graphs`, `minillm.engine.compiled_step`) all take a decode step's rows from it, and
 prompt chunks' rows from `step_rows`, its other half.
 
     builder = StepInputBuilder(block_size=16)
-    rows = builder.decode_rows(["a", "b"], [table_a, table_b], [17, 4])  # [2, TABLE + blocks] int64 (numpy)
+    rows = builder.decode_rows(["a", "b"], {"a": table_a, "b": table_b}, [17, 4]).rows  # [2, TABLE + blocks] int64
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -111,6 +111,14 @@ class PackedInputs(NamedTuple):
     k_starts: tuple[int, ...]  # P + 1 offsets into the S keys
 
 
+class DecodeRows(NamedTuple):
+    """What `StepInputBuilder.decode_rows` returns."""
+
+    rows: np.ndarray  # [max(n, pad_to), TABLE + blocks] int64: a view of the builder's staging buffer
+    longest: int  # the longest row's keys, its new token's included
+    filled: list[BlockTable]  # with commit: the tables whose last block this step's token filled
+
+
 class StepInputBuilder:
     """The one input builder of one paged cache: each step's rows, decode rows kept from step to step.
 
@@ -127,7 +135,6 @@ class StepInputBuilder:
         self.block_size = block_size
         self.staging = np.zeros((8, TABLE + 8), dtype=np.int64)
         self.kept: dict[Hashable, tuple[int, list[int], int]] = {}
-        self.longest = 0  # the last decode step's longest row: the keys it attends to
 
     def _make_room(self, rows: int, width: int) -> None:
         """Grow `staging` to hold `rows` rows of `width` columns (doubling), keeping what it holds."""
@@ -139,12 +146,18 @@ class StepInputBuilder:
         grown[:have_rows, :have_width] = self.staging
         self.staging = grown
 
-    def decode_rows(self, seq_ids: Sequence[Hashable], tables: Sequence[BlockTable], token_ids: Sequence[int],
-                    pad_to: int = 0, pad_row: Sequence[int] = ()) -> np.ndarray:
-        """A decode step's rows: token_ids[b] after what tables[b] (sequence seq_ids[b]) holds. Returns
-        staging[:max(n, pad_to), :width] (a view: copy it before the next step), width = TABLE + the blocks the
-        longest row reads (`longest`: its keys); rows n .. pad_to - 1 start with `pad_row` (token, position, slot,
-        length, block).
+    def decode_rows(self, seq_ids: Sequence[Hashable], tables: Mapping[Hashable, BlockTable],
+                    token_ids: Sequence[int], pad_to: int = 0, pad_row: Sequence[int] = (),
+                    commit: bool = False, max_len: int | None = None) -> DecodeRows:
+        """A decode step's rows: token_ids[b] after what tables[seq_ids[b]] holds (tables: the cache's block
+        tables, by sequence id). Returns `DecodeRows`: staging[:max(n, pad_to), :width] (a view: copy it before the
+        next step), width = TABLE + the blocks the longest row reads; rows n .. pad_to - 1 start with `pad_row`
+        (token, position, slot, length, block).
+
+        commit: also append each token to its table in the same pass (the graph runner, whose replay writes the
+        keys and values next on the same stream, commits before it; an eager step commits after its forward), and
+        return the tables whose last block the token filled, for the prefix cache to name. max_len: a row may hold
+        at most this many tokens with its new one; a longer one raises ValueError, with nothing committed.
 
         Kept rows move to this step's order in one numpy gather; only a sequence new to the batch (or whose
         table changed) has its whole table written. At 256 rows of 37 blocks (contexts of about 590 tokens), that
@@ -155,26 +168,37 @@ class StepInputBuilder:
         n, bs = len(seq_ids), self.block_size
         counts = np.empty(n, dtype=np.int64)  # what each sequence holds before this step's token
         blocks = np.empty(n, dtype=np.int64)  # the block the new token goes to
-        source, fresh, kept = [], [], {}
-        for b, (seq_id, table) in enumerate(zip(seq_ids, tables)):
+        source, fresh, kept, committed, filled = [], [], {}, [], []
+        for b, seq_id in enumerate(seq_ids):  # the one pass over the rows
+            table = tables[seq_id]
             count, ids = table.num_tokens, table.block_ids
+            if max_len is not None and count >= max_len:
+                for done in committed:  # nothing committed: the step does not run
+                    done.token_ids.pop()
+                raise ValueError(f"sequence {seq_id!r} would hold {count + 1} tokens, more than the {max_len} this "
+                                 "step allows: create DecodeGraphs with a larger max_seq_len.")
             counts[b], blocks[b] = count, ids[count // bs]
             was = self.kept.get(seq_id)
             if was is not None and was[1] is ids and was[2] == count:
                 source.append(was[0])
             else:
                 source.append(0)  # overwritten below
-                fresh.append(b)
+                fresh.append((b, table))
             kept[seq_id] = (b, ids, count + 1)
-        self.longest = int(counts.max()) + 1  # the longest row's keys, its new token's included
-        width = TABLE + cdiv(self.longest, bs)  # the blocks the longest row reads
+            if commit:
+                table.token_ids.append(int(token_ids[b]))
+                committed.append(table)
+                if (count + 1) % bs == 0:
+                    filled.append(table)
+        longest = int(counts.max()) + 1  # the longest row's keys, its new token's included
+        width = TABLE + cdiv(longest, bs)  # the blocks the longest row reads
         size = max(n, pad_to)
         self._make_room(size, width)
         staging = self.staging
         if source != list(range(n)):
             staging[:n, :width] = staging[source, :width]  # the kept rows in this step's order (a copy, then a write)
-        for b in fresh:
-            ids = tables[b].block_ids[: cdiv(int(counts[b]) + 1, bs)]
+        for b, table in fresh:
+            ids = table.block_ids[: cdiv(int(counts[b]) + 1, bs)]
             staging[b, TABLE : TABLE + len(ids)] = ids
         staging[np.arange(n), TABLE + counts // bs] = blocks  # the new token's block: new, or copied on write
         staging[:n, TOKEN] = token_ids
@@ -184,7 +208,7 @@ class StepInputBuilder:
         if size > n:
             staging[n:size, : len(pad_row)] = pad_row
         self.kept = kept
-        return staging[:size, :width]
+        return DecodeRows(staging[:size, :width], longest, filled)
 
     def build(self, seq_ids: Sequence[Hashable], tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
               device: torch.device | str) -> StepInputs:
@@ -192,7 +216,8 @@ class StepInputBuilder:
         a decode step's rows from `decode_rows`, any other step's from `step_rows`."""
         T = max(len(new) for new in token_ids)
         if T == 1:
-            rows = self.decode_rows(seq_ids, tables, [new[0] for new in token_ids]).copy()
+            by_id = dict(zip(seq_ids, tables))
+            rows = self.decode_rows(seq_ids, by_id, [new[0] for new in token_ids]).rows.copy()
         else:
             rows = rows_to_array(step_rows(tables, token_ids, T))
         return StepInputs(to_device(torch.from_numpy(rows), None, device), T)

@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
+from minillm.parallel.tensor import start_group
 from minillm.sampler.constrained import TokenIndex, json_object_regex
 from minillm.sampler.sampling import SamplingParams
 from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
@@ -916,7 +917,8 @@ def build_engine(model: str, device: str = "cpu", dtype: str = "auto", quant: st
             drafter = DraftModelDrafter(draft)  # LLMEngine refuses a draft of another vocabulary
         speculative = SpeculativeConfig(drafter, k)
     cuda_graphs = False if enforce_eager else None
-    return LLMEngine(llm, tokenizer, EngineConfig(speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs))
+    config = EngineConfig(speculative=speculative, cuda_graphs=cuda_graphs, **engine_kwargs)
+    return LLMEngine(llm, tokenizer, config, group=start_group(llm, config))  # a tensor-parallel group, if asked
 
 
 def check_disaggregate(device: str, quant: str | None, speculative_model: str | None, engine_kwargs: dict) -> None:

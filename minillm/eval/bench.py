@@ -239,7 +239,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from minillm import DEFAULT_MODEL, load
-    from minillm.engine import LLM
+    from minillm.decoding.llm import LLM
 
     model_name = args.model or DEFAULT_MODEL
     _, tokenizer = load(args.tokenizer or (model_name if args.bench_mode == "offline" else DEFAULT_MODEL))

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.eval.agreement import agreement
 from minillm.eval.perplexity import perplexity

@@ -125,7 +125,7 @@ class MinillmLM(LM):
         """Greedy continuations of each request's (context, gen_kwargs), cut before the first stop string
         (gen_kwargs["until"]), at most gen_kwargs["max_gen_toks"] tokens. The context is cut on the left to
         leave room for them in the model's context, as lm-eval's own models do."""
-        from minillm.engine import LLM
+        from minillm.decoding.llm import LLM
         from minillm.sampler.sampling import SamplingParams
 
         if self._llm is None:

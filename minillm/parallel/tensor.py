@@ -17,7 +17,9 @@ Each all-reduce carries the activations [tokens, dim] (2 x dim bytes a token in 
 model's size. Embeddings, norms and the output head are kept whole on every rank (Megatron splits the
 vocabulary as well; minillm does not, to stay short).
 
-How the engine runs it (`LLMEngine(..., tensor_parallel_size=N)`; vLLM's option of the same name). The
+How the engine runs it (`minillm.LLM(..., tensor_parallel_size=N)`; vLLM's option of the same name). The front
+door starts the group (`start_group`) and hands it to `LLMEngine(..., group=...)`, which runs every forward
+through it (`TensorParallel.forward` is its runner's forward): the engine never imports this module. The
 calling process is rank 0: it schedules, allocates the KV blocks and samples, exactly as with one process;
 its paged pool holds its own KV heads. Ranks 1..N-1 are worker processes (`torch.multiprocessing`, spawned)
 that hold their shards and a pool of the same blocks with their heads. Each step, rank 0 sends the step's
@@ -45,6 +47,7 @@ from torch import nn
 
 from minillm.checkpoints import materialize
 from minillm.config import ModelConfig
+from minillm.engine.engine_config import EngineConfig, check_tensor_parallel
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
 from minillm.engine.step_inputs import StepInputs
 from minillm.model import Transformer
@@ -171,18 +174,6 @@ class ShardedKVCache(PagedKVCache):
         self.pending_copies.append((src, dst))
 
 
-class WorkerView(PagedCacheView):
-    """A worker's view of one step: the step's inputs from rank 0 over the worker's own pools. A worker keeps no
-    block tables (rank 0 decides every block and slot), so after the forward there is nothing to commit."""
-
-    def __init__(self, cache: PagedKVCache, inputs: StepInputs, context_lens: list[int], num_new: list[int]) -> None:
-        self.cache, self.seq_ids, self.tables, self.token_ids = cache, [], [], []
-        self._set_inputs(inputs, context_lens, num_new)
-
-    def advance(self, n: int) -> None:
-        self.done = True
-
-
 def _worker(rank: int, world: int, init_method: str, device: str, config: ModelConfig,
             state: dict[str, torch.Tensor], dtype: torch.dtype, conn: Any) -> None:
     """A worker process: join the group, build the shard, then run every step rank 0 sends until told to stop
@@ -215,7 +206,7 @@ def _worker(rank: int, world: int, init_method: str, device: str, config: ModelC
                     for src, dst in copies:
                         cache.copy_block(src, dst)
                     inputs = StepInputs(torch.from_numpy(rows).to(device), T)
-                    view = WorkerView(cache, inputs, context_lens, num_new)
+                    view = PagedCacheView(cache, inputs, context_lens, num_new)  # no tables: nothing to commit
                     model(view.tokens, cache=view, last_only=True)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -223,6 +214,14 @@ def _worker(rank: int, world: int, init_method: str, device: str, config: ModelC
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         finally:
             os._exit(1)
+
+
+def start_group(model: Transformer, config: EngineConfig) -> TensorParallel | None:
+    """The tensor-parallel group an engine of `config` runs on, started now (None for tensor_parallel_size 1):
+    what a front door (`minillm.LLM`, the server) hands to `LLMEngine(model, tokenizer, config, group=...)`. The
+    config is checked first, so that a setting the group cannot run with starts no worker."""
+    check_tensor_parallel(config)
+    return TensorParallel(model, config.tensor_parallel_size) if config.tensor_parallel_size != 1 else None
 
 
 class TensorParallel:

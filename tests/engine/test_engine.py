@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import minillm
 from minillm.arithmetic import cdiv
 from minillm.decoding.generation import generate
-from minillm.engine import LLM, LLMEngine
+from minillm.decoding.llm import LLM
+from minillm.engine import LLMEngine
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence, SequenceStatus

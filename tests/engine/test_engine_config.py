@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 import minillm
-from minillm.engine import LLM, EngineConfig, LLMEngine
+from minillm.decoding.llm import LLM
+from minillm.engine import EngineConfig, LLMEngine
 from minillm.sampler.sampling import SamplingParams
 
 

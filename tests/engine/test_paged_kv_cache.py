@@ -536,7 +536,8 @@ def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(
     """The engine's prompt chunks go through `paged_forward(packed=True)` (one row, no padding); greedy outputs are
     those of the same engine with packing off. A model with a sliding window is not packed (a packed step attends
     causally within each sequence, without a window), and a packed view refuses a window."""
-    from minillm.engine import LLM, LLMEngine, model_runner
+    from minillm.decoding.llm import LLM
+    from minillm.engine import LLMEngine, model_runner
     from minillm.model import Transformer
 
     calls = []

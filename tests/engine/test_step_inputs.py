@@ -29,7 +29,7 @@ def test_decode_rows_hold_the_columns_of_step_rows(model):
         cache.allocate_slots([i], [n + 1])
         cache.commit([cache.block_tables[i]], [list(range(2, 2 + n))])
     tables = [cache.block_tables[i] for i in range(3)]
-    rows = cache.builder.decode_rows([0, 1, 2], tables, [7, 8, 9])
+    rows = cache.builder.decode_rows([0, 1, 2], cache.block_tables, [7, 8, 9]).rows
     assert rows.shape == (3, TABLE + cdiv(10, 4))
     want = rows_to_array(step_rows(tables, [[7], [8], [9]], T=1))
     for b, table in enumerate(tables):
@@ -48,10 +48,11 @@ def test_the_staging_buffer_grows_and_keeps_its_rows():
 
     builder = StepInputBuilder(block_size=2)
     tables = [BlockTable(2, list(range(10 * b, 10 * b + 3)), [1] * 5) for b in range(3)]
-    builder.decode_rows([0, 1, 2], tables, [1, 2, 3])
+    builder.decode_rows([0, 1, 2], dict(enumerate(tables)), [1, 2, 3])
     long = BlockTable(2, list(range(100, 140)), [1] * 79)  # 40 blocks: wider than the first buffer
     many = [BlockTable(2, [200 + b], []) for b in range(20)]  # 20 more rows
-    got = builder.decode_rows([0, 1, 2, "long", *range(3, 23)], [*tables, long, *many], list(range(24)))
+    by_id = {**dict(enumerate(tables)), "long": long, **{3 + b: t for b, t in enumerate(many)}}
+    got = builder.decode_rows([0, 1, 2, "long", *range(3, 23)], by_id, list(range(24))).rows
     assert got.shape == (24, TABLE + 40)
     assert got[3, TABLE: TABLE + 40].tolist() == list(range(100, 140))
     assert got[:3, TABLE: TABLE + 3].tolist() == [t.block_ids for t in tables], "kept rows moved with the growth"
@@ -113,16 +114,46 @@ def test_kept_rows_equal_rows_written_afresh(model):
         cache.allocate_slots(rows, [1] * len(rows))
         tables = [cache.block_tables[i] for i in rows]
         size = padded_batch_size(len(rows), graph_batch_sizes(12))
-        got = cache.builder.decode_rows(rows, tables, tokens, size, pad_row)
-        assert got.shape[0] == size
-        want = step_rows(tables, [[t] for t in tokens], T=1)
+        commit = step % 2 == 1  # as the graph runner does: the tokens join their tables in the same pass
+        got, longest, filled = cache.builder.decode_rows(rows, cache.block_tables, tokens, size, pad_row, commit)
+        got = got.copy()  # (a view of the staging buffer)
+        assert got.shape[0] == size and longest == max(t.num_tokens for t in tables) + (0 if commit else 1)
+        before = [_before(t) for t in tables] if commit else tables
+        want = step_rows(before, [[t] for t in tokens], T=1)
+        if commit:
+            assert [t.token_ids[-1] for t in tables] == tokens, "commit appends each row's token to its table"
+            assert filled == [t for t in tables if t.num_tokens % cache.block_size == 0], "the tables a token filled"
+            cache.name_full_blocks(filled)
         for b, (row, table) in enumerate(zip(want, tables)):
-            read = TABLE + cdiv(table.num_tokens + 1, cache.block_size)  # the columns the kernels read
+            read = TABLE + cdiv(table.num_tokens + (0 if commit else 1), cache.block_size)  # what the kernels read
             assert got.shape[1] >= read
             assert got[b, :read].tolist() == row[:read], f"step {step}, row {b} (after {events[-3:]})"
         for b in range(len(rows), size):
             assert got[b, : TABLE + 1].tolist() == pad_row, f"step {step}: padding row {b}"
-        cache.commit(tables, [[t] for t in tokens])
+        if not commit:
+            cache.commit(tables, [[t] for t in tokens])
     assert {"fork", "grow", "truncate", "regrow", "restart"} <= set(events)
 
 
+
+
+def _before(table):  # noqa: ANN001, ANN202 - a table as it was before its last token was committed
+    from minillm.engine.block_manager import BlockTable
+
+    return BlockTable(table.block_size, table.block_ids, table.token_ids[:-1])
+
+
+def test_a_decode_step_too_long_for_its_graphs_commits_nothing(model):
+    """`decode_rows(commit=True, max_len=...)`: a row over the limit raises ValueError naming what to do, and the
+    rows before it in the same pass are rolled back (no table holds a token the step never ran)."""
+    cache = PagedKVCache(model.config, 16, 4)
+    for i, n in enumerate((3, 8, 2)):
+        cache.add_sequence(i)
+        cache.allocate_slots([i], [n + 1])
+        cache.commit([cache.block_tables[i]], [list(range(2, 2 + n))])
+    held = [list(cache.block_tables[i].token_ids) for i in range(3)]
+    with pytest.raises(ValueError, match="larger max_seq_len"):
+        cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], commit=True, max_len=8)
+    assert [cache.block_tables[i].token_ids for i in range(3)] == held
+    rows, longest, filled = cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], commit=True, max_len=9)
+    assert longest == 9 and filled == [cache.block_tables[0]] and cache.block_tables[1].num_tokens == 9

@@ -25,7 +25,7 @@ from conftest import served_in_thread  # noqa: E402
 
 import minillm  # noqa: E402
 import minillm.cli as cli  # noqa: E402
-from minillm.engine.llm_engine import LLM  # noqa: E402
+from minillm.decoding.llm import LLM  # noqa: E402
 from minillm.entrypoints.server import create_app, serve_in_background  # noqa: E402
 from minillm.parallel.disagg import DisaggregatedEngine  # noqa: E402
 from minillm.sampler.sampling import SamplingParams  # noqa: E402

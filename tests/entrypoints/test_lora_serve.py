@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.entrypoints.server import serve_in_background
 from minillm.lora import LoRAAdapter, save_adapter, target_rows
 from minillm.sampler.sampling import SamplingParams

@@ -22,7 +22,8 @@ httpx = pytest.importorskip("httpx")
 from conftest import served_in_thread  # noqa: E402
 
 import minillm  # noqa: E402
-from minillm.engine import LLM, LLMEngine  # noqa: E402
+from minillm.decoding.llm import LLM  # noqa: E402
+from minillm.engine import LLMEngine  # noqa: E402
 from minillm.entrypoints.server import apply_chat_template, create_app  # noqa: E402
 from minillm.sampler.sampling import SamplingParams  # noqa: E402
 

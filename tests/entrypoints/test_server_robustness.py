@@ -121,7 +121,7 @@ def test_openai_fields_not_implemented_are_refused_by_name_not_ignored(server, e
 def test_logprobs_are_the_engines_in_openais_shapes_streaming_or_not(server):
     from minillm.sampler.sampling import SamplingParams
 
-    offline = minillm.engine.LLM(server.engine.model, server.engine.tokenizer).generate(
+    offline = minillm.LLM(server.engine.model, server.engine.tokenizer).generate(
         "ROMEO.\n", SamplingParams(max_tokens=6, temperature=0, logprobs=2), use_tqdm=False)[0]
     done = server.client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=6, temperature=0, logprobs=2)
     lp = done.choices[0].logprobs
@@ -190,10 +190,10 @@ def test_a_step_that_fails_fails_its_requests_only_and_the_server_goes_on(server
     runner = server.engine.model_runner
     sample = runner.sample
 
-    def poisoned(seqs, logits):
+    def poisoned(seqs, logits, plain=None):
         if any(s.params.seed == 13 for s in seqs):
             raise RuntimeError("poisoned step")
-        return sample(seqs, logits)
+        return sample(seqs, logits, plain)
 
     monkeypatch.setattr(runner, "sample", poisoned)
     with pytest.raises(openai.InternalServerError) as err:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.eval import ThroughKVCache, agreement, cached_logits, greedy_agreement, greedy_tokens, with_key_outliers
 from minillm.sampler.sampling import SamplingParams

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import minillm
 from minillm.checkpoints import save
 from minillm.cli import main as cli_main
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.eval import Task, agreement, compare, exact_match, format_table, load_task, loglikelihood, multiple_choice
 from minillm.sampler.sampling import SamplingParams
 

@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 import minillm  # noqa: E402
-from minillm.engine import LLM  # noqa: E402
+from minillm.decoding.llm import LLM  # noqa: E402
 from minillm.eval import Task, exact_match, load_task, loglikelihood, multiple_choice  # noqa: E402
 from minillm.eval.harness import YAML_DIR, MinillmLM  # noqa: E402
 

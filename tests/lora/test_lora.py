@@ -22,7 +22,8 @@ from conftest import random_hf_model  # noqa: E402
 from minillm.kernels import add_lora_gathered, add_lora_reference  # noqa: E402
 
 import minillm  # noqa: E402
-from minillm.engine import LLM, LLMEngine  # noqa: E402
+from minillm.decoding.llm import LLM  # noqa: E402
+from minillm.engine import LLMEngine  # noqa: E402
 from minillm.lora import (  # noqa: E402
     LoRALinear,
     LoRASlots,

@@ -13,7 +13,7 @@ import pytest
 
 import minillm
 from minillm.arithmetic import kv_cache_bytes
-from minillm.engine.llm_engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.parallel.disagg import DisaggregatedEngine
 from minillm.sampler.sampling import SamplingParams
 
@@ -47,7 +47,9 @@ def test_the_split_gives_one_engine_tokens_and_sends_chapter_02_bytes(shipped, e
         assert sent.nbytes == kv_cache_bytes(model.config, sent.prompt_tokens, dtype_bytes=4)  # fp32 on the CPU
         assert 0 < sent.landed_s <= sent.seconds  # the transfer completes before D's loop takes it
     stats = engine.worker_stats()  # everything finished: no block held on either side
-    assert stats["decode"]["held_back"] >= 2  # 4 requests, 2 rows: offers waited, and still came through
+    # 4 requests, 2 rows: offers waited, and still came through. How many waited depends on the two processes'
+    # timing (on a loaded 2-core machine the prefill worker can fall behind, and only one offer finds both rows busy)
+    assert stats["decode"]["held_back"] >= 1
     assert stats["decode"]["used_blocks"] == 0 and stats["decode"]["reserved"] == 0
     assert stats["prefill"]["staged"] == 0 and stats["prefill"]["unfinished"] == 0
 

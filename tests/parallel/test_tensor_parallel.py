@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.config import ModelConfig
+from minillm.decoding.llm import LLM
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import PagedKVCache
-from minillm.engine.llm_engine import LLM, LLMEngine
+from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.model_runner import paged_forward
 from minillm.model import Transformer
 from minillm.parallel.tensor import (
@@ -21,6 +23,7 @@ from minillm.parallel.tensor import (
     column_shard,
     row_shard,
     shard_config,
+    start_group,
 )
 from minillm.sampler.sampling import SamplingParams
 from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
@@ -76,6 +79,27 @@ def test_tensor_parallelism_refuses_speculation(shipped) -> None:
     model, tokenizer = shipped
     with pytest.raises(ValueError, match="leave speculative and compile_decode off"):
         LLMEngine(model, tokenizer, tensor_parallel_size=2, speculative=SpeculativeConfig(NgramDrafter(), 2))
+    with pytest.raises(ValueError, match="leave speculative and compile_decode off"):  # before any worker starts
+        LLM(model, tokenizer, tensor_parallel_size=2, speculative=SpeculativeConfig(NgramDrafter(), 2))
+
+
+def test_the_engine_runs_the_group_it_is_given_and_starts_none(shipped) -> None:
+    """Building an engine flows down: the front door starts the group (`start_group`) and passes it in; the engine
+    alone, asked for ranks it was not given, says how to build it (and a group of another size is refused)."""
+    model, tokenizer = shipped
+    with pytest.raises(ValueError, match="starts none. Use minillm.LLM"):
+        LLMEngine(model, tokenizer, tensor_parallel_size=2)
+    assert start_group(model, EngineConfig()) is None
+    with pytest.raises(ValueError, match="positive integer"):
+        start_group(model, EngineConfig(tensor_parallel_size=0))
+    group = start_group(model, EngineConfig(tensor_parallel_size=2))
+    try:
+        with pytest.raises(ValueError, match="tensor_parallel_size=1 with a group of 2 ranks"):
+            LLMEngine(model, tokenizer, group=group)
+        engine = LLMEngine(model, tokenizer, EngineConfig(tensor_parallel_size=2), group=group)
+        assert engine.model is group.model and engine.model_runner.paged_forward == group.forward
+    finally:
+        group.shutdown()
 
 
 def test_two_ranks_give_the_one_process_engine_tokens_and_logits(shipped) -> None:

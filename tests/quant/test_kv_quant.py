@@ -19,7 +19,8 @@ import minillm
 from minillm import SamplingParams
 from minillm.config import ModelConfig
 from minillm.contiguous_cache import KVCache
-from minillm.engine import LLM, LLMEngine
+from minillm.decoding.llm import LLM
+from minillm.engine import LLMEngine
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from minillm.model import PagedDecode, Transformer

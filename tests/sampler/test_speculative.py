@@ -18,7 +18,7 @@ import torch
 
 import minillm
 from minillm.arithmetic import cdiv
-from minillm.engine import LLM
+from minillm.decoding.llm import LLM
 from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.kv_cache import PagedKVCache
 from minillm.engine.model_runner import paged_forward
