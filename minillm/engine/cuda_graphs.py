@@ -34,6 +34,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from minillm.engine.block_manager import BlockTable
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
 from minillm.engine.sequence import swap_inflight
 from minillm.engine.step_inputs import TABLE, TOKEN, RowsToDevice
@@ -162,26 +163,24 @@ class DecodeGraphs:
                  self.capture_seconds)
 
     def load(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
-             allocated: bool = False) -> tuple[int, int]:
-        """Put a decode step's rows into the fixed buffer, and commit its tokens -> (padded batch, columns used).
-        Allocates the step's blocks (unless `allocated`: the engine's scheduler did), takes the rows from the
-        cache's input builder, which appends each token to its table in the same pass (the replay that follows
-        writes their keys and values, next on the same stream), and copies them (`RowsToDevice`: the host does
-        not wait). A negative token is still on the device (async scheduling): it is taken from `previous`, the
-        step before's sampled tokens."""
+             allocated: bool = False) -> tuple[int, int, list[BlockTable]]:
+        """Put a decode step's rows into the fixed buffer -> (padded batch, columns used, the step's tables, for
+        the commit after the replay). Allocates the step's blocks (unless `allocated`: the engine's scheduler did),
+        takes the rows from the cache's input builder and copies them (`RowsToDevice`: the host does not wait). A
+        negative token is still on the device (async scheduling): it is taken from `previous`, the step before's
+        sampled tokens."""
         if not seq_ids or len(seq_ids) != len(token_ids):
             raise ValueError(f"give one token per sequence: {len(seq_ids)} ids, {len(token_ids)} tokens.")
         cache, size = self.cache, padded_batch_size(len(seq_ids), self.sizes)
         if not allocated:
             cache.allocate_slots(seq_ids, [1] * len(seq_ids))
-        rows, _, filled = cache.builder.decode_rows(seq_ids, cache.block_tables, token_ids, size, self.pad_row,
-                                                    commit=True, max_len=self.max_seq_len)
-        cache.name_full_blocks(filled)
+        rows, _, tables = cache.builder.decode_rows(seq_ids, cache.block_tables, token_ids, size, self.pad_row,
+                                                    max_len=self.max_seq_len)
         width = rows.shape[1]
         self.upload(rows, self.inputs[:size, :width])
         if previous is not None:
             swap_inflight(self.inputs[:size, TOKEN], previous)
-        return size, width
+        return size, width, tables
 
     def replay(self, size: int, width: int, n: int) -> torch.Tensor:
         """The graph of `size` rows replayed (without capture, its code run eagerly) -> the first n rows' logits."""
@@ -193,6 +192,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], previous: torch.Tensor | None = None,
             allocated: bool = False) -> torch.Tensor:
-        """One decode step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: `load`, then replay."""
-        size, width = self.load(seq_ids, token_ids, previous, allocated)
-        return self.replay(size, width, len(seq_ids))
+        """One decode step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: `load`, replay, and the
+        commit of the tokens to their tables, after the launch (the host's work there overlaps the GPU's)."""
+        size, width, tables = self.load(seq_ids, token_ids, previous, allocated)
+        logits = self.replay(size, width, len(seq_ids))
+        self.cache.commit_decode(tables, token_ids)
+        return logits

@@ -343,11 +343,15 @@ class PagedKVCache:
             table.token_ids.extend(new)
             self._name_full_blocks(table)
 
-    def name_full_blocks(self, tables: Sequence[BlockTable]) -> None:
-        """Name in the prefix cache each full block of `tables` not yet named (their tokens were committed by the
-        graph runner's `StepInputBuilder.decode_rows(commit=True)`, which lists the tables whose block filled)."""
-        for table in tables:
-            self._name_full_blocks(table)
+    def commit_decode(self, tables: Sequence[BlockTable], token_ids: Sequence[int]) -> None:
+        """`commit` for one new token per table (a decode step), in one pass: a table is looked at for the prefix
+        cache only when its token fills a block (a block left waiting for a token in flight is named by
+        `resolve_token`)."""
+        bs = self.block_size
+        for table, token in zip(tables, token_ids):
+            table.token_ids.append(int(token))
+            if table.num_tokens % bs == 0:
+                self._name_full_blocks(table)
 
     def _name_full_blocks(self, table: BlockTable) -> None:
         """Name each full block of `table` not yet named, in order, in the prefix cache. A block holding a token

@@ -116,7 +116,7 @@ class DecodeRows(NamedTuple):
 
     rows: np.ndarray  # [max(n, pad_to), TABLE + blocks] int64: a view of the builder's staging buffer
     longest: int  # the longest row's keys, its new token's included
-    filled: list[BlockTable]  # with commit: the tables whose last block this step's token filled
+    tables: list[BlockTable]  # the step's tables, row by row (for the commit after the forward)
 
 
 class StepInputBuilder:
@@ -148,16 +148,15 @@ class StepInputBuilder:
 
     def decode_rows(self, seq_ids: Sequence[Hashable], tables: Mapping[Hashable, BlockTable],
                     token_ids: Sequence[int], pad_to: int = 0, pad_row: Sequence[int] = (),
-                    commit: bool = False, max_len: int | None = None) -> DecodeRows:
+                    max_len: int | None = None) -> DecodeRows:
         """A decode step's rows: token_ids[b] after what tables[seq_ids[b]] holds (tables: the cache's block
         tables, by sequence id). Returns `DecodeRows`: staging[:max(n, pad_to), :width] (a view: copy it before the
         next step), width = TABLE + the blocks the longest row reads; rows n .. pad_to - 1 start with `pad_row`
         (token, position, slot, length, block).
 
-        commit: also append each token to its table in the same pass (the graph runner, whose replay writes the
-        keys and values next on the same stream, commits before it; an eager step commits after its forward), and
-        return the tables whose last block the token filled, for the prefix cache to name. max_len: a row may hold
-        at most this many tokens with its new one; a longer one raises ValueError, with nothing committed.
+        It also returns the step's tables, looked up in the same pass, for the commit after the forward
+        (`PagedKVCache.commit_decode`: after the graph's launch, where the host's work overlaps the GPU's). max_len:
+        a row may hold at most this many tokens with its new one; a longer one raises ValueError.
 
         Kept rows move to this step's order in one numpy gather; only a sequence new to the batch (or whose
         table changed) has its whole table written. At 256 rows of 37 blocks (contexts of about 590 tokens), that
@@ -168,13 +167,12 @@ class StepInputBuilder:
         n, bs = len(seq_ids), self.block_size
         counts = np.empty(n, dtype=np.int64)  # what each sequence holds before this step's token
         blocks = np.empty(n, dtype=np.int64)  # the block the new token goes to
-        source, fresh, kept, committed, filled = [], [], {}, [], []
+        source, fresh, kept, step_tables = [], [], {}, []
         for b, seq_id in enumerate(seq_ids):  # the one pass over the rows
             table = tables[seq_id]
+            step_tables.append(table)
             count, ids = table.num_tokens, table.block_ids
             if max_len is not None and count >= max_len:
-                for done in committed:  # nothing committed: the step does not run
-                    done.token_ids.pop()
                 raise ValueError(f"sequence {seq_id!r} would hold {count + 1} tokens, more than the {max_len} this "
                                  "step allows: create DecodeGraphs with a larger max_seq_len.")
             counts[b], blocks[b] = count, ids[count // bs]
@@ -185,11 +183,6 @@ class StepInputBuilder:
                 source.append(0)  # overwritten below
                 fresh.append((b, table))
             kept[seq_id] = (b, ids, count + 1)
-            if commit:
-                table.token_ids.append(int(token_ids[b]))
-                committed.append(table)
-                if (count + 1) % bs == 0:
-                    filled.append(table)
         longest = int(counts.max()) + 1  # the longest row's keys, its new token's included
         width = TABLE + cdiv(longest, bs)  # the blocks the longest row reads
         size = max(n, pad_to)
@@ -208,7 +201,7 @@ class StepInputBuilder:
         if size > n:
             staging[n:size, : len(pad_row)] = pad_row
         self.kept = kept
-        return DecodeRows(staging[:size, :width], longest, filled)
+        return DecodeRows(staging[:size, :width], longest, step_tables)
 
     def build(self, seq_ids: Sequence[Hashable], tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
               device: torch.device | str) -> StepInputs:

@@ -114,46 +114,33 @@ def test_kept_rows_equal_rows_written_afresh(model):
         cache.allocate_slots(rows, [1] * len(rows))
         tables = [cache.block_tables[i] for i in rows]
         size = padded_batch_size(len(rows), graph_batch_sizes(12))
-        commit = step % 2 == 1  # as the graph runner does: the tokens join their tables in the same pass
-        got, longest, filled = cache.builder.decode_rows(rows, cache.block_tables, tokens, size, pad_row, commit)
-        got = got.copy()  # (a view of the staging buffer)
-        assert got.shape[0] == size and longest == max(t.num_tokens for t in tables) + (0 if commit else 1)
-        before = [_before(t) for t in tables] if commit else tables
-        want = step_rows(before, [[t] for t in tokens], T=1)
-        if commit:
-            assert [t.token_ids[-1] for t in tables] == tokens, "commit appends each row's token to its table"
-            assert filled == [t for t in tables if t.num_tokens % cache.block_size == 0], "the tables a token filled"
-            cache.name_full_blocks(filled)
+        got, longest, step_tables = cache.builder.decode_rows(rows, cache.block_tables, tokens, size, pad_row)
+        assert step_tables == tables and longest == max(t.num_tokens for t in tables) + 1
+        assert got.shape[0] == size
+        want = step_rows(tables, [[t] for t in tokens], T=1)
         for b, (row, table) in enumerate(zip(want, tables)):
-            read = TABLE + cdiv(table.num_tokens + (0 if commit else 1), cache.block_size)  # what the kernels read
+            read = TABLE + cdiv(table.num_tokens + 1, cache.block_size)  # the columns the kernels read
             assert got.shape[1] >= read
             assert got[b, :read].tolist() == row[:read], f"step {step}, row {b} (after {events[-3:]})"
         for b in range(len(rows), size):
             assert got[b, : TABLE + 1].tolist() == pad_row, f"step {step}: padding row {b}"
-        if not commit:
+        if step % 2:  # the graph runner's commit, and the eager one: the same tables
+            cache.commit_decode(tables, tokens)
+        else:
             cache.commit(tables, [[t] for t in tokens])
     assert {"fork", "grow", "truncate", "regrow", "restart"} <= set(events)
 
 
 
 
-def _before(table):  # noqa: ANN001, ANN202 - a table as it was before its last token was committed
-    from minillm.engine.block_manager import BlockTable
-
-    return BlockTable(table.block_size, table.block_ids, table.token_ids[:-1])
-
-
-def test_a_decode_step_too_long_for_its_graphs_commits_nothing(model):
-    """`decode_rows(commit=True, max_len=...)`: a row over the limit raises ValueError naming what to do, and the
-    rows before it in the same pass are rolled back (no table holds a token the step never ran)."""
+def test_a_decode_step_too_long_for_its_graphs_is_refused(model):
+    """`decode_rows(max_len=...)`: a row over the limit raises ValueError naming what to do; at the limit it runs."""
     cache = PagedKVCache(model.config, 16, 4)
     for i, n in enumerate((3, 8, 2)):
         cache.add_sequence(i)
         cache.allocate_slots([i], [n + 1])
         cache.commit([cache.block_tables[i]], [list(range(2, 2 + n))])
-    held = [list(cache.block_tables[i].token_ids) for i in range(3)]
     with pytest.raises(ValueError, match="larger max_seq_len"):
-        cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], commit=True, max_len=8)
-    assert [cache.block_tables[i].token_ids for i in range(3)] == held
-    rows, longest, filled = cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], commit=True, max_len=9)
-    assert longest == 9 and filled == [cache.block_tables[0]] and cache.block_tables[1].num_tokens == 9
+        cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], max_len=8)
+    rows, longest, tables = cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], max_len=9)
+    assert longest == 9 and tables == [cache.block_tables[i] for i in (0, 2, 1)]
