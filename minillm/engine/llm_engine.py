@@ -176,10 +176,9 @@ class LLMEngine:
         num_blocks, async_scheduling = c.num_blocks, c.async_scheduling  # filled in below where left to the engine
         if async_scheduling is None:  # on where the host and the GPU can overlap, and nothing forbids it
             async_scheduling = model.device.type == "cuda" and c.speculative is None and c.tensor_parallel_size == 1
-        if async_scheduling and (c.speculative is not None or c.tensor_parallel_size != 1):
+        if async_scheduling and c.speculative is not None:  # (with tensor parallelism: check_tensor_parallel)
             raise ValueError("async_scheduling=True runs ahead of the host, which a speculative step (its drafts come "
-                             "from the tokens so far) and tensor parallelism (its workers get the tokens from the "
-                             "host) cannot: leave async_scheduling unset with them.")
+                             "from the tokens so far) cannot: leave async_scheduling unset with speculative.")
         self.async_scheduling = async_scheduling
         self.inflight: StepTokens | None = None  # with async scheduling: the latest step's tokens, not read yet
         self.tp = group  # a tensor-parallel group the front door started (it plugs in as the runner's forward)
