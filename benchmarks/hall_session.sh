@@ -6,10 +6,13 @@
 #   BEFORE=ab_<commit> bash benchmarks/hall_session.sh {tests|ab ROUND}
 # Needs the before tree carried to the device (BEFORE, default ab_d8b3301, the first round of issue 52):
 #   mkdir ab_C && git archive C minillm kernels benchmarks ':!minillm/models' | tar -x -C ab_C
+# AFTER (default ., this tree) can name a second archived tree, so that edits made while the rounds run
+# do not reach the measured tree.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 before=${BEFORE:-ab_d8b3301}
-for tree in "$before" .; do
+after=${AFTER:-.}
+for tree in "$before" "$after"; do
   [ -e "$tree/minillm/kernels" ] || ln -s "$(cd "$tree" && pwd)/kernels" "$tree/minillm/kernels"  # no install needed
 done
 run() {  # run TREE LABEL ROUND BENCHMARK ARGS...: one benchmark in one tree, its results file copied to $OUT
@@ -26,8 +29,8 @@ tests)
       tests/engine/test_engine.py tests/engine/test_compiled_decode.py -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
 ab)
   round=${2:-1}
-  pairs=("$before before" ". after")
-  [ $((round % 2)) -eq 0 ] && pairs=(". after" "$before before")
+  pairs=("$before before" "$after after")
+  [ $((round % 2)) -eq 0 ] && pairs=("$after after" "$before before")
   for pair in "${pairs[@]}"; do
     set -- $pair
     run "$1" "$2" "$round" engine_host_step --device cuda --batches 1 64 256
