@@ -14,6 +14,11 @@ and chapter 05 packs prompt chunks in one row ("varlen"), attended by the same k
     flash_attention_varlen(q, k, v, q_starts, k_starts)  one launch for every sequence, each on its own keys
     attention_varlen_reference(...)                       sequence by sequence in plain PyTorch
 
+and reads the paged cache in place for prompt chunks and decode rows together (a mixed step, issue 53):
+
+    paged_prefill_attention(q, k_pool, v_pool, block_tables, q_starts, seq_lens, max_queries)
+    paged_prefill_attention_reference(...)              each sequence's keys gathered, then the reference
+
 and chapter 03 adds the decode kernel:
 
     decode_attention(q, k, v, lengths, scale)     one query per sequence vs its KV cache: each KV head read
@@ -80,7 +85,8 @@ __all__ = ["add_lora", "add_lora_gathered", "add_lora_reference",
            "attention_reference", "attention_varlen_reference", "decode_attention", "decode_attention_reference",
            "flash_attention", "flash_attention_varlen", "fused_add_rms_norm", "fused_add_rms_norm_reference",
            "fused_rotary", "fused_rotary_reference", "gather_kv", "greedy_argmax", "greedy_reference", "matvec",
-           "matvec_reference", "paged_decode_attention", "paged_decode_attention_reference", "silu_and_mul",
+           "matvec_reference", "paged_decode_attention", "paged_decode_attention_reference", "paged_prefill_attention",
+           "paged_prefill_attention_reference", "silu_and_mul",
            "silu_and_mul_reference", "w4a16_matmul", "w4a16_pack", "w4a16_reference"]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -101,6 +107,7 @@ if TRITON_AVAILABLE:
     from .greedy import greedy_argmax, greedy_reference
     from .lora import add_lora
     from .matvec import matvec, matvec_reference
+    from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
     from .rmsnorm import fused_add_rms_norm, fused_add_rms_norm_reference
     from .rotary import fused_rotary, fused_rotary_reference
     from .swiglu import silu_and_mul, silu_and_mul_reference
