@@ -149,8 +149,11 @@ def _interpreted() -> bool:
 
 
 # GPU launch settings by head dimension: (rows a tile, keys a tile, warps, stages). Rows are (query, head) pairs of
-# one KV head's group. A first choice from chapter 02's FlashAttention tiles; benchmarks/step_shapes.py measures it.
-GPU_BLOCKS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2),
+# one KV head's group. head_dim 64 and 128: the fastest of `benchmarks/step_shapes.py --sweep` on an H200 (one causal
+# 4,096-token sequence, 32 query and 8 KV heads, bf16; results/step_shapes/cuda.json): 216 and 266 TFLOP/s, against
+# 181 and 257 for chapter 02's FlashAttention tiles, the first choice. Fewer rows a tile at head_dim 64 also make
+# more programs for one long chunk beside decode rows (a mixed step). The others: unswept, small ones of the same kind.
+GPU_BLOCKS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (128, 128, 8, 3),
               256: (64, 32, 4, 1)}
 INTERPRETER_BLOCKS = (32, 32)
 
@@ -203,6 +206,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
     seq_lens: torch.Tensor, max_queries: int, scale: float | None = None, *, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries to their sequences' keys in a paged cache, read in place (chapter 05).
 
@@ -213,6 +217,7 @@ def paged_prefill_attention(
     host; reading it from the GPU would cost a sync); q_starts and seq_lens are not checked on the GPU either: a
     sequence needs at least one query and no more queries than keys. With k_scale, v_scale [num_blocks, block_size,
     H_kv] fp32 the pools hold int8 / float8_e4m3fn codes (chapter 06). -> [N, H, D] in q's dtype, fp32 inside.
+    block_m (rows a tile), block_n (keys a tile), num_warps and num_stages override `GPU_BLOCKS` (a sweep's knobs).
     """
     kv_scales = _check_scales(q, k_pool, v_pool, k_scale, v_scale)
     _check_inputs(q, k_pool if kv_scales is None else k_pool[:0].to(q.dtype),
@@ -228,7 +233,7 @@ def paged_prefill_attention(
     else:
         BLOCK_M, BLOCK_N, warps, stages = GPU_BLOCKS[D]
     BLOCK_M = block_m or min(BLOCK_M, max(16, triton.next_power_of_2(max_queries * group)))
-    BLOCK_N = block_n or BLOCK_N
+    BLOCK_N, warps, stages = block_n or BLOCK_N, num_warps or warps, num_stages or stages
     for name, size in (("block_m", BLOCK_M), ("block_n", BLOCK_N)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {size}.")

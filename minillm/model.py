@@ -268,6 +268,24 @@ class PackedPrefill:
     offsets: torch.Tensor | None = None  # q_starts then k_starts, int64, on the device (None: copied when needed)
 
 
+@dataclass(frozen=True)
+class PagedPrefill:
+    """The `mask` of a packed step whose keys are read from the paged pools in place (a mixed step, chapter 05).
+
+    A `minillm.engine.kv_cache.PackedCacheView` returns it on CUDA, where the paged prefill kernel runs: the queries
+    are [1, H, N, d], sequence b's the columns q_starts[b] .. q_starts[b + 1] - 1 and the last of its seq_lens[b]
+    keys; `update` hands back the layer's pools, and `grouped_query_attention` runs
+    `minillm.kernels.paged_prefill_attention`, which reads each sequence's keys through its block table. Prompt
+    chunks and decode rows (one query each) alike: nothing is gathered, and nothing about it is known only on the GPU.
+    """
+
+    block_tables: torch.Tensor  # [P, M] int: sequence b's blocks, in order
+    q_starts: torch.Tensor  # [P + 1] int: offsets into the N new tokens, on the device
+    seq_lens: torch.Tensor  # [P] int: the keys sequence b attends to, its new tokens' included
+    max_queries: int  # the most new tokens of one sequence (host-known: it sizes the kernel's grid)
+    dtype: torch.dtype | None = None  # the cache's model dtype (what a quantised cache's codes stand for)
+
+
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -331,7 +349,8 @@ def use_triton_attention(x: torch.Tensor, head_dim: int) -> bool:
 
 
 def grouped_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | PagedDecode | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    mask: torch.Tensor | str | PagedDecode | PackedPrefill | PagedPrefill | None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v, where each group of G = H / H_kv query heads shares one K/V head.
 
@@ -344,8 +363,18 @@ def grouped_query_attention(
     (chapter 03). With mask a `PagedDecode`, k and v are a paged cache's pools and the paged decode
     kernel reads them through the block tables (chapter 04); for a quantised cache (chapter 06) k and v are
     `minillm.quant.kv.QuantizedPool`s, 8-bit codes with their scales, which the kernel dequantises as it reads.
+    With mask a `PackedPrefill` the sequences packed in one row attend each to its own gathered keys; with a
+    `PagedPrefill`, to the pools, through the tables (a mixed step of prompt chunks and decode rows, chapter 05).
     """
     B, H, T, d = q.shape
+    if isinstance(mask, PagedPrefill):  # packed queries; k and v are the paged pools, read through the tables
+        from minillm.kernels import paged_prefill_attention
+
+        (k, k_scale), (v, v_scale) = (k, v) if isinstance(k, QuantizedPool) else ((k, None), (v, None))
+        dtype = mask.dtype if k_scale is not None else k.dtype
+        out = paged_prefill_attention(q[0].transpose(0, 1).to(dtype), k, v, mask.block_tables, mask.q_starts,
+                                      mask.seq_lens, mask.max_queries, k_scale=k_scale, v_scale=v_scale)
+        return out.to(q.dtype).transpose(0, 1)[None]  # [1, H, N, d]
     if isinstance(mask, PackedPrefill):  # sequences packed in one row: each attends to its own keys, causally
         if q.dtype == k.dtype == v.dtype and use_triton_attention(q, d):
             from minillm.kernels import flash_attention_varlen

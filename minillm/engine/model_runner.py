@@ -29,7 +29,7 @@ import torch
 
 from minillm.engine.block_manager import NoFreeBlocksError
 from minillm.engine.cuda_graphs import DecodeGraphs, graphs_unavailable
-from minillm.engine.kv_cache import PagedKVCache
+from minillm.engine.kv_cache import PagedKVCache, attention_reads_pools
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
@@ -195,8 +195,10 @@ class ModelRunner:
             raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path: leave it off "
                              "here (on a GPU the engine replays decode steps as CUDA graphs by itself).")
         self.compile_decode = compile_decode
-        # Prompt chunks packed in one row (`paged_forward(packed=True)`), where the model and the group allow it.
+        # Prompt chunks packed in one row (`paged_forward(packed=True)`), where the model and the group allow it;
+        # where attention reads the pools in place (CUDA), a mixed step's decode rows join them in that one row.
         self.packed_prompts = tp is None and model.config.sliding_window is None
+        self.packed_in_place = self.packed_prompts and attention_reads_pools(cache)
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # CUDA graphs: captured now; the compiled CPU step: at first use
         self.lora: Any = None  # the LoRASlots of the model's LoRALinear layers (chapter 08), once an adapter is added
@@ -219,11 +221,21 @@ class ModelRunner:
         captured, and the prompt chunks as another, packed side by side in one row [1, sum of their lengths]
         (`paged_forward(packed=True)`: no padding at all) when their lengths differ (chunks of one length pad
         nothing, and the rectangular batch, attention in one call, is then slightly faster). Packing needs per-sequence
-        attention, which the decode graphs do not do, hence two forwards (vLLM packs every token of the step,
-        decodes too, into one "varlen" forward). Prompt chunks under LoRA adapters (whose batched matmul takes one
-        adapter per row), of a model with a sliding window, or of a tensor-parallel group run as a padded batch.
+        attention, which the decode graphs do not do, hence two forwards. Prompt chunks under LoRA adapters (whose
+        batched matmul takes one adapter per row), of a model with a sliding window, or of a tensor-parallel group
+        run as a padded batch.
+
+        On CUDA (`packed_in_place`: attention reads the pools in place, `minillm.kernels.paged_prefill_attention`) a
+        step with any prompt chunk runs as ONE packed forward, its decode rows too (each a sequence of one token), in
+        the step's order, as vLLM's "varlen" forward does: no keys are gathered, and a mixed step costs one forward
+        over its tokens rather than a decode step plus a prompt step. Decode-only steps keep their CUDA graphs.
         """
         decodes, prompts, firsts = split if split is not None else split_rows(token_ids)
+        swap = {"previous": previous} if previous is not None else {}  # every path swaps placeholders alike
+        if prompts and self.packed_in_place and not (loras and any(name is not None for name in loras)):
+            # One packed forward for the whole step, decode rows and prompt chunks in the step's order: the linear
+            # layers over every token at once, attention by the paged prefill kernel reading the pools in place.
+            return paged_forward(self.model, self.cache, seq_ids, token_ids, packed=True, **swap)
         results = []
         for group in (decodes, prompts):
             if not group:
@@ -234,7 +246,6 @@ class ModelRunner:
                 ids = [seq_ids[i] for i in group]
                 names = [loras[i] for i in group] if loras is not None else []
                 tokens = [token_ids[i] for i in group]
-            swap = {"previous": previous} if previous is not None else {}  # every path swaps placeholders alike
             if names and any(name is not None for name in names):  # LoRA rows: eager, each row under its adapter
                 with self.lora.rows(names):
                     rows = self.paged_forward(self.model, self.cache, ids, tokens, **swap)

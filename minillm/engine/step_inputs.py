@@ -109,6 +109,9 @@ class PackedInputs(NamedTuple):
     offsets: torch.Tensor  # [2 (P + 1)] q_starts then k_starts, for the FlashAttention kernel
     q_starts: tuple[int, ...]  # P + 1 offsets into the N new tokens (on the host)
     k_starts: tuple[int, ...]  # P + 1 offsets into the S keys
+    # read in place (`packed(..., paged=True)`): no read slots (S = 0), and instead what the paged kernel reads
+    block_tables: torch.Tensor | None = None  # [P, M] each sequence's blocks (those its keys fill)
+    seq_lens: torch.Tensor | None = None  # [P] the keys each sequence attends to, its new tokens' included
 
 
 class DecodeRows(NamedTuple):
@@ -216,9 +219,16 @@ class StepInputBuilder:
         return StepInputs(to_device(torch.from_numpy(rows), None, device), T)
 
     def packed(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
-               device: torch.device | str) -> PackedInputs:
+               device: torch.device | str, paged: bool = False) -> PackedInputs:
         """The inputs of a packed forward (`minillm.engine.kv_cache.PackedCacheView`) of token_ids[i] after what
-        tables[i] holds, on `device`: one row [1, N] of every sequence's new tokens, no padding."""
+        tables[i] holds, on `device`: one row [1, N] of every sequence's new tokens, no padding.
+
+        paged: attention reads the pools through the block tables (`minillm.kernels.paged_prefill_attention`), so
+        the inputs carry the tables [P, M] and lengths [P] instead of the slot of every key each sequence reads
+        (S numbers, a mixed step's whole context: 16,000 at 32 rows of 512). Computed in numpy, a few operations per
+        step, not per token."""
+        if paged:
+            return self._packed_paged(tables, token_ids, device)
         num_new = [len(new) for new in token_ids]
         context = [t.num_tokens for t in tables]
         positions = [p for c, n in zip(context, num_new) for p in range(c, c + n)]
@@ -231,6 +241,31 @@ class StepInputBuilder:
         N, S, P = len(positions), len(read), len(token_ids)
         return PackedInputs(data[:N][None], data[N: 2 * N][None], data[2 * N: 3 * N], data[3 * N: 3 * N + S],
                             data[3 * N + S: 3 * N + S + P], data[3 * N + S + P:], q_starts, k_starts)
+
+    def _packed_paged(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]],
+                      device: torch.device | str) -> PackedInputs:
+        """`packed(..., paged=True)`. One int64 tensor crosses to the device:
+
+            N tokens | N positions | N write slots | P last rows | P + 1 q_starts | P seq_lens | P x M block tables
+        """
+        bs, P = self.block_size, len(tables)
+        num_new = np.fromiter(map(len, token_ids), dtype=np.int64, count=P)
+        context = np.fromiter((t.num_tokens for t in tables), dtype=np.int64, count=P)
+        seq_lens = context + num_new
+        q_starts = np.zeros(P + 1, dtype=np.int64)
+        np.cumsum(num_new, out=q_starts[1:])
+        block_rows = rows_to_array([t.block_ids[: cdiv(int(n), bs)] for t, n in zip(tables, seq_lens)])  # [P, M]
+        owner = np.repeat(np.arange(P), num_new)  # each new token's sequence
+        positions = np.arange(int(q_starts[-1])) - np.repeat(q_starts[:-1] - context, num_new)  # c, c + 1, ... each
+        write = block_rows[owner, positions // bs] * bs + positions % bs
+        tokens = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(q_starts[-1]))
+        data = to_device(torch.from_numpy(np.concatenate(
+            [tokens, positions, write, q_starts[1:] - 1, q_starts, seq_lens, block_rows.reshape(-1)])), None, device)
+        N = int(q_starts[-1])
+        last, starts, lens, table = 3 * N, 3 * N + P, 3 * N + 2 * P + 1, 3 * N + 3 * P + 1  # where each part begins
+        return PackedInputs(data[:N][None], data[N: 2 * N][None], data[2 * N: last], data[:0], data[last: starts],
+                            data[starts: lens], tuple(q_starts.tolist()), (), data[table:].view(P, -1),
+                            data[lens: table])
 
 
 class RowsToDevice:

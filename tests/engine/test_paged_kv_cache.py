@@ -567,17 +567,36 @@ def test_task_4_the_engine_packs_prompt_chunks_and_generates_what_it_did_padded(
         cache.prepare(["s"], [[1, 2, 3]], packed=True).attention_mask(None, 8)
 
 
+def test_task_4_a_mixed_step_as_one_packed_forward_generates_what_two_forwards_did(model):
+    """The runner's one-forward mixed step (`packed_in_place`, on by itself where attention reads the pools in
+    place: CUDA), turned on here on the CPU, where a packed step gathers each sequence's keys: decode rows run as
+    sequences of one token beside the prompt chunks, in the step's order, and greedy outputs are those of the
+    runner's two forwards (decode rows, then prompt chunks)."""
+    from minillm.decoding.llm import LLM
+
+    prompts = random_prompts(13, 7, model.config.vocab_size, max_len=70)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = []
+    for in_place in (True, False):
+        llm = LLM(model, None, max_num_batched_tokens=40, max_num_seqs=4)
+        assert not llm.engine.model_runner.packed_in_place, "on the CPU attention gathers the keys"
+        llm.engine.model_runner.packed_in_place = in_place
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch(monkeypatch):
-    """On a GPU the packed sequences attend through one launch of the Triton FlashAttention kernel per layer (each
-    sequence's queries the last of its keys: `flash_attention_varlen`), the padded batch through PyTorch's attention
-    with a mask: bf16 logits within bf16's rounding."""
+    """On a GPU the packed sequences attend through one launch per layer of the paged prefill kernel, which reads
+    each sequence's keys from the pools through its block table (`paged_prefill_attention`); the padded batch
+    through PyTorch's attention with a mask over gathered keys: bf16 logits within bf16's rounding."""
     import minillm.kernels
 
     from minillm.engine.model_runner import paged_forward
 
-    kernel, calls = minillm.kernels.flash_attention_varlen, []
-    monkeypatch.setattr(minillm.kernels, "flash_attention_varlen", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel, calls = minillm.kernels.paged_prefill_attention, []
+    monkeypatch.setattr(minillm.kernels, "paged_prefill_attention",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
 
     gpu_model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.bfloat16)
     rng = random.Random(8)
@@ -593,3 +612,36 @@ def test_task_4_packed_prompt_chunks_on_the_gpu_match_the_padded_batch(monkeypat
         torch.testing.assert_close(packed, padded, atol=0.1, rtol=0.05)
         assert (packed.argmax(-1) == padded.argmax(-1)).float().mean() >= 2 / 3
     assert len(calls) == 2 * gpu_model.config.n_layers  # one launch per layer and forward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_task_4_mixed_steps_run_as_one_packed_forward_on_the_gpu(kv_cache_dtype, monkeypatch):
+    """On a GPU a step with prompt chunks beside decode rows runs as ONE packed forward (decode rows are sequences
+    of one token; attention reads the pools in place). fp32 on the GPU, chunked prefill with a small token budget so
+    that many steps are mixed: the greedy tokens equal those of the same engine running each step as a decode
+    forward plus a prompt forward (`packed_in_place` off), with async scheduling and CUDA graphs on in both."""
+    from minillm.decoding.llm import LLM
+    from minillm.engine import model_runner
+
+    mixed, real = [], model_runner.paged_forward
+
+    def spy(m, c, ids, toks, packed=False, **k):  # noqa: ANN001, ANN003, ANN202
+        if packed and min(map(len, toks)) == 1 < max(map(len, toks)):
+            mixed.append(len(ids))
+        return real(m, c, ids, toks, packed=packed, **k)
+
+    monkeypatch.setattr(model_runner, "paged_forward", spy)
+    gpu_model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.float32)
+    prompts = random_prompts(12, 10, gpu_model.config.vocab_size, max_len=90)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for in_place in (True, False):
+        llm = LLM(gpu_model, None, max_num_batched_tokens=48, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+        runner = llm.engine.model_runner
+        assert runner.packed_in_place and runner.use_cuda_graphs, "on CUDA: graphs, and attention reads the pools"
+        runner.packed_in_place = in_place
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if in_place:
+            assert mixed, "some steps held decode rows beside prompt chunks, in one packed forward"
+    assert outs[0] == outs[1]

@@ -144,3 +144,27 @@ def test_a_decode_step_too_long_for_its_graphs_is_refused(model):
         cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], max_len=8)
     rows, longest, tables = cache.builder.decode_rows([0, 2, 1], cache.block_tables, [5, 6, 7], max_len=9)
     assert longest == 9 and tables == [cache.block_tables[i] for i in (0, 2, 1)]
+
+
+def test_packed_inputs_for_the_paged_kernel_hold_what_the_gathered_ones_do(model):
+    """A mixed step packed for the paged prefill kernel (`packed(..., paged=True)`, numpy): the same tokens,
+    positions, write slots and last rows as the gathered packing computes token by token, and, instead of every
+    key's read slot, each sequence's blocks and length, from which those read slots follow."""
+    cache = PagedKVCache(model.config, 64, 4)
+    held = (0, 6, 9, 3)  # tokens each sequence holds before the step
+    new = [[5, 6, 7, 8, 9], [3], [-1], [4, 4]]  # a fresh prompt, two decode rows (one a placeholder), a chunk
+    for i, (n, ids) in enumerate(zip(held, new)):
+        cache.add_sequence(i)
+        cache.allocate_slots([i], [n + len(ids)])
+        cache.commit([cache.block_tables[i]], [list(range(2, 2 + n))])
+    tables = [cache.block_tables[i] for i in range(4)]
+    gathered = cache.builder.packed(tables, new, "cpu")
+    paged = cache.builder.packed(tables, new, "cpu", paged=True)
+    for name in ("tokens", "position_ids", "write_slots", "last_rows"):
+        assert getattr(paged, name).tolist() == getattr(gathered, name).tolist(), name
+    assert paged.q_starts == gathered.q_starts and paged.offsets.tolist() == list(gathered.q_starts)
+    assert paged.read_slots.numel() == 0 and gathered.block_tables is None
+    lens = [n + len(ids) for n, ids in zip(held, new)]
+    assert paged.seq_lens.tolist() == lens
+    read = [t * 4 + p % 4 for b, n in enumerate(lens) for p in range(n) for t in [paged.block_tables[b, p // 4]]]
+    assert read == gathered.read_slots.tolist(), "the tables give every key's slot"

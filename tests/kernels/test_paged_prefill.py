@@ -44,8 +44,8 @@ def packed_case(spans, H, H_kv, D, dtype, block_size=16, seed=0, quant=None):  #
     k_pool, v_pool = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     scales = None
     if quant is not None:  # 8-bit codes and one fp32 scale per (slot, head), as minillm.quant.kv stores them
-        k_scale = torch.rand(shape[:-1], generator=g) * 0.05 + 0.01
-        v_scale = torch.rand(shape[:-1], generator=g) * 0.05 + 0.01
+        k_scale = torch.rand(shape[:-1], generator=g) * 0.01 + 0.005  # dequantised values of about unit size
+        v_scale = torch.rand(shape[:-1], generator=g) * 0.01 + 0.005
         k_pool = torch.randint(-127, 128, shape, generator=g).to(quant)
         v_pool = torch.randint(-127, 128, shape, generator=g).to(quant)
         scales = (k_scale.to(DEVICE), v_scale.to(DEVICE))
