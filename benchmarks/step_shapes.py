@@ -15,11 +15,12 @@ Issue 53's measurements, one H200 (or any CUDA GPU), Llama-3.2-1B's shape with r
   best of its flash, efficient and cuDNN backends, on K/V expanded to 32 heads beforehand) in TFLOP/s
   (2 T^2 d H FLOPs for causal attention).
 
-`--path split` runs the engine's earlier path for mixed and prompt steps (decode rows as their own forward, a
-prompt chunk's keys gathered then SDPA with a mask: `ModelRunner.packed_in_place` off), in the same process, for an
-A/B in one lease. Writes results/step_shapes/<name>.json (default cuda).
+`--paths` runs the engine's paths for steps with prompt work, in one process, for an A/B in one lease: `graphs` (as
+the engine runs: a packed forward replayed as a CUDA graph of its token bucket), `packed` (the same forward, eager)
+and `split` (the earlier path: decode rows as their own forward, a prompt chunk's keys gathered then SDPA with a
+mask). Writes results/step_shapes/<name>.json (default cuda).
 
-    python benchmarks/step_shapes.py --paths packed split --name cuda
+    MINILLM_MIXED_GRAPHS=1 python benchmarks/step_shapes.py --paths graphs packed split --name cuda
 """
 
 from __future__ import annotations
@@ -103,6 +104,20 @@ def prompts_done(engine, request_ids=None) -> bool:  # noqa: ANN001
                    if request_ids is None or s.request_id in request_ids)
 
 
+PATHS = ("graphs", "packed", "split")
+
+
+def choose_path(engine, path: str) -> None:  # noqa: ANN001
+    """graphs: the engine as it is (mixed steps replayed as CUDA graphs); packed: the same packed forward run
+    eagerly; split: the earlier path, a decode forward (its graphs) plus a prompt forward with gathered keys."""
+    runner = engine.model_runner
+    if path == "graphs" and runner.mixed_graphs is None:
+        sys.exit("--paths graphs needs MINILLM_MIXED_GRAPHS=1 (mixed-step graphs are opt-in until measured).")
+    if path != "graphs":
+        runner.mixed_graphs = None
+    runner.packed_in_place = path != "split"
+
+
 def mixed_and_itl(model, path: str, rows: int = 32, context: int = 512, long_len: int = 4096,  # noqa: ANN001
                   n_long: int = 4, budget: int = 512, decode_steps: int = 60, max_tokens: int = 2000) -> dict:
     """`rows` rows decoding at `context`, then `n_long` prompts of `long_len` arriving: step times by kind."""
@@ -110,7 +125,7 @@ def mixed_and_itl(model, path: str, rows: int = 32, context: int = 512, long_len
     gen = torch.Generator().manual_seed(1)
     llm = LLM(model, None, max_num_seqs=64, max_num_batched_tokens=budget, num_blocks=rows * 48 + n_long * 300)
     engine = llm.engine
-    engine.model_runner.packed_in_place = path == "packed"
+    choose_path(engine, path)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(rows):
         engine.add_request(None, torch.randint(2, vocab, (context - 1,), generator=gen).tolist(), params)
@@ -144,7 +159,7 @@ def prefill(model, path: str, tokens: int = 4096) -> float:  # noqa: ANN001
     llm = LLM(model, None, max_num_seqs=4, max_num_batched_tokens=tokens, num_blocks=tokens // 16 + 8,
               enable_prefix_caching=False)
     engine = llm.engine
-    engine.model_runner.packed_in_place = path == "packed"
+    choose_path(engine, path)
     gen = torch.Generator().manual_seed(2)
     times = []
     for i in range(6):
@@ -226,7 +241,7 @@ def sweep(seqlen: int, head_dim: int, heads: int = 32, kv_heads: int = 8) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", choices=["packed", "split"], default=["packed", "split"])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=["packed", "split"])
     parser.add_argument("--name", default="cuda")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep the paged prefill kernel's tiles")

@@ -11,7 +11,8 @@ q_starts[b] .. q_starts[b + 1] - 1, and they are the LAST n_q of its seq_lens[b]
 seq_lens[b] - n_q + i, and sees keys 0 .. that position). A decode row is a sequence with one query, so one launch
 serves a whole mixed step: prompt chunks and decode rows alike.
 
-    program (tile, b, kv_h): rows r = t * G + g of sequence b, query t of query head kv_h * G + g
+    program (i, kv_h): the i-th tile of the step's query tiles, rows r = t * G + g of its sequence b,
+                       query t of query head kv_h * G + g
 
 Grouped-query attention, read once: the G query heads of one KV head share a program, their queries stacked as the
 rows of one tile (a decode row's G heads fill G rows), so each key tile loaded from the pools serves all of them.
@@ -89,7 +90,7 @@ def _fold_key_tiles(
 
 @triton.jit
 def _paged_prefill_kernel(
-    Q, K, V, O, QStarts, SeqLens, BlockTables, K_Scale, V_Scale,
+    Q, K, V, O, QStarts, SeqLens, BlockTables, K_Scale, V_Scale, TileStarts, P,
     stride_qn, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -98,17 +99,27 @@ def _paged_prefill_kernel(
     stride_sb, stride_ss, stride_sh,
     GROUP, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    """Program (tile, b, kv_h): BLOCK_M rows (query t, head g) of sequence b, KV head kv_h, over the keys they see."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles see more keys: launch them first
-    b = tl.program_id(1).to(tl.int64)
-    kv_h = tl.program_id(2).to(tl.int64)
+    """Program (i, kv_h): the i-th query tile of the step's list, BLOCK_M rows (query t, head g) of one sequence, KV
+    head kv_h, over the keys they see. TileStarts [P + 1]: where each sequence's tiles begin in the list (the grid
+    holds at least as many programs as tiles; the rest return at once)."""
+    i = tl.program_id(0)
+    kv_h = tl.program_id(1).to(tl.int64)
+    if i >= tl.load(TileStarts + P):
+        return
+    # Whose tile is i: the last sequence whose tiles begin at or before it (a binary search over TileStarts).
+    lo = i * 0  # int32 tensors from the start: loop-carried values keep one type
+    hi = lo + P - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        after = tl.load(TileStarts + mid) <= i
+        lo, hi = tl.where(after, mid, lo), tl.where(after, hi, mid - 1)
+    b = lo.to(tl.int64)
+    tile = tl.load(TileStarts + b + 1) - 1 - i  # the sequence's tiles last first: later tiles see more keys
     q_first = tl.load(QStarts + b)
     n_q = (tl.load(QStarts + b + 1) - q_first).to(tl.int32)
     start_r = tile * BLOCK_M
-    if start_r >= n_q * GROUP:  # a sequence with fewer queries than the longest: nothing for this tile
-        return
     context = tl.load(SeqLens + b) - n_q  # keys before this sequence's first query
     offs_r = start_r + tl.arange(0, BLOCK_M)
     t = offs_r // GROUP  # [BLOCK_M] each row's query ...
@@ -156,6 +167,14 @@ def _interpreted() -> bool:
 GPU_BLOCKS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (128, 128, 8, 3),
               256: (64, 32, 4, 1)}
 INTERPRETER_BLOCKS = (32, 32)
+
+
+def prefill_tile_starts(q_starts: torch.Tensor, group: int, block_m: int) -> torch.Tensor:
+    """[P + 1] int32 on q_starts' device: where each sequence's query tiles begin in a launch's list of tiles.
+    Sequence b has cdiv(n_b x group, block_m) tiles (n_b its queries; a sequence with none has none). Device
+    operations only, so nothing waits and a CUDA graph records them."""
+    counts = (torch.diff(q_starts) * group + block_m - 1) // block_m
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
 def paged_prefill_attention_reference(
@@ -206,7 +225,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
     seq_lens: torch.Tensor, max_queries: int, scale: float | None = None, *, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, plan: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries to their sequences' keys in a paged cache, read in place (chapter 05).
 
@@ -218,6 +237,11 @@ def paged_prefill_attention(
     sequence needs at least one query and no more queries than keys. With k_scale, v_scale [num_blocks, block_size,
     H_kv] fp32 the pools hold int8 / float8_e4m3fn codes (chapter 06). -> [N, H, D] in q's dtype, fp32 inside.
     block_m (rows a tile), block_n (keys a tile), num_warps and num_stages override `GPU_BLOCKS` (a sweep's knobs).
+
+    The launch is a list of query tiles, not a grid over the longest sequence: a mixed step's decode rows hold one
+    tile each beside a chunk's many (`prefill_tile_starts`; the grid, cdiv(N x group, block_m) + P programs per KV
+    head, fixed by the shapes). `plan`: a dict the caller keeps for one step, where the tile list is kept for the
+    step's other layers (the model's `PagedPrefill` mask holds one), so that it is computed once a step.
     """
     kv_scales = _check_scales(q, k_pool, v_pool, k_scale, v_scale)
     _check_inputs(q, k_pool if kv_scales is None else k_pool[:0].to(q.dtype),
@@ -241,14 +265,18 @@ def paged_prefill_attention(
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # exact fp32 dots for fp32 inputs
     scale = D**-0.5 if scale is None else float(scale)
     k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # (unused without scales)
-    grid = (triton.cdiv(max_queries * group, BLOCK_M), P, H_kv)
+    plan = {} if plan is None else plan
+    tile_starts = plan.get((group, BLOCK_M))
+    if tile_starts is None:
+        tile_starts = plan[group, BLOCK_M] = prefill_tile_starts(q_starts, group, BLOCK_M)
+    grid = (triton.cdiv(N * group, BLOCK_M) + P, H_kv)  # at least every sequence's tiles (each rounds up once)
     launch = {} if _interpreted() else {"num_warps": warps, "num_stages": stages}
     _paged_prefill_kernel[grid](
-        q, k_pool, v_pool, out, q_starts, seq_lens, block_tables, k_scale, v_scale,
+        q, k_pool, v_pool, out, q_starts, seq_lens, block_tables, k_scale, v_scale, tile_starts, P,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(), *block_tables.stride(),
         *(k_scale.stride() if kv_scales is not None else (0, 0, 0)),
         group, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_SIZE=page, QUANT=kv_scales is not None, UPCAST=upcast,
-        DOT_PRECISION=precision, **launch,
+        DOT_PRECISION=precision, SEARCH_STEPS=max(1, (P - 1).bit_length()), **launch,
     )
     return out

@@ -27,7 +27,7 @@ import functools
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -282,8 +282,9 @@ class PagedPrefill:
     block_tables: torch.Tensor  # [P, M] int: sequence b's blocks, in order
     q_starts: torch.Tensor  # [P + 1] int: offsets into the N new tokens, on the device
     seq_lens: torch.Tensor  # [P] int: the keys sequence b attends to, its new tokens' included
-    max_queries: int  # the most new tokens of one sequence (host-known: it sizes the kernel's grid)
+    max_queries: int  # the most new tokens of one sequence (host-known: it chooses the kernel's tile)
     dtype: torch.dtype | None = None  # the cache's model dtype (what a quantised cache's codes stand for)
+    plan: dict = field(default_factory=dict, compare=False)  # the kernel's list of tiles, made at the first layer
 
 
 @functools.cache
@@ -373,7 +374,8 @@ def grouped_query_attention(
         (k, k_scale), (v, v_scale) = (k, v) if isinstance(k, QuantizedPool) else ((k, None), (v, None))
         dtype = mask.dtype if k_scale is not None else k.dtype
         out = paged_prefill_attention(q[0].transpose(0, 1).to(dtype), k, v, mask.block_tables, mask.q_starts,
-                                      mask.seq_lens, mask.max_queries, k_scale=k_scale, v_scale=v_scale)
+                                      mask.seq_lens, mask.max_queries, k_scale=k_scale, v_scale=v_scale,
+                                      plan=mask.plan)
         return out.to(q.dtype).transpose(0, 1)[None]  # [1, H, N, d]
     if isinstance(mask, PackedPrefill):  # sequences packed in one row: each attends to its own keys, causally
         if q.dtype == k.dtype == v.dtype and use_triton_attention(q, d):

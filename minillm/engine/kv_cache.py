@@ -583,20 +583,23 @@ class PackedCacheView(PagedCacheView):
     """
 
     def __init__(self, cache: PagedKVCache, packed: PackedInputs, tables: list[BlockTable],
-                 token_ids: list[list[int]]) -> None:
+                 token_ids: list[list[int]], max_queries: int | None = None) -> None:
+        """From the engine's tables and new tokens (`of_tables`), or, with `max_queries` and no tables, the view of
+        a captured mixed step over fixed buffers (`minillm.engine.mixed_graphs`): nothing read on the host, the
+        paged prefill kernel's tiles chosen for up to `max_queries` queries a sequence, nothing committed."""
         self.cache, self.tables, self.token_ids = cache, tables, token_ids
         self.context_lens = [t.num_tokens for t in tables]
         self.num_new = [len(new) for new in token_ids]
         self.seq_lens = [c + n for c, n in zip(self.context_lens, self.num_new)]
-        self.T = sum(self.num_new)
+        self.T = packed.tokens.shape[1]
         self.tokens, self.position_ids = packed.tokens, packed.position_ids  # [1, N] each
         self.write_slots, self._read_slots, self.last_rows = packed.write_slots, packed.read_slots, packed.last_rows
         self.padded, self.write_rows, self.fixed, self.done = False, None, None, False
         self.read_pools = packed.block_tables is not None  # the paged prefill kernel reads the pools in place
         if self.read_pools:
-            self.max_seq_len = max(self.seq_lens)
-            self.mask = PagedPrefill(packed.block_tables, packed.offsets, packed.seq_lens, max(self.num_new),
-                                     cache.dtype)
+            self.max_seq_len = max(self.seq_lens, default=0)
+            self.mask = PagedPrefill(packed.block_tables, packed.offsets, packed.seq_lens,
+                                     max_queries or max(self.num_new), cache.dtype)
         else:
             self.max_seq_len = packed.read_slots.shape[0]  # `update` reads S keys for its one row
             self.mask = PackedPrefill(packed.q_starts, packed.k_starts, packed.offsets)

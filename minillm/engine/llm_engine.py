@@ -214,7 +214,7 @@ class LLMEngine:
         no_graphs = ("speculative decoding is on (its verify forwards are not captured)" if c.speculative else
                      "tensor parallelism is on (its steps run eagerly)" if self.tp else None)
         self.model_runner = ModelRunner(model, self.cache, c.max_num_seqs, c.cuda_graphs, no_graphs, c.compile_decode,
-                                        self.tp)
+                                        self.tp, c.max_num_batched_tokens)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self.num_preemptions = 0  # sequences preempted since the start (the server's /metrics reports it)

@@ -22,6 +22,7 @@ of its own) call directly; with `packed=True`, prompt chunks side by side in one
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -30,6 +31,7 @@ import torch
 from minillm.engine.block_manager import NoFreeBlocksError
 from minillm.engine.cuda_graphs import DecodeGraphs, graphs_unavailable
 from minillm.engine.kv_cache import PagedKVCache, attention_reads_pools
+from minillm.engine.mixed_graphs import MixedGraphs
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
@@ -176,6 +178,8 @@ class ModelRunner:
             the first decode step (seconds), then faster every step.
         tp: a `ModelGroup` (tensor parallelism, chapter 08) whose rank 0 this is (`model` is then rank 0's shard):
             every forward runs on all its ranks through its `forward`.
+        max_num_batched_tokens: the scheduler's token budget, the largest step the mixed-step graphs capture
+            (`minillm.engine.mixed_graphs`, with CUDA graphs and attention reading the pools in place).
 
     `lora`, set by `LLMEngine.add_lora`: the `minillm.lora.LoRASlots` of the model's `LoRALinear` layers, or None.
     A forward whose rows name adapters runs under `lora.rows(...)`, eagerly: CUDA graphs (and the compiled CPU
@@ -184,7 +188,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
                  no_graphs_reason: str | None = None, compile_decode: bool = False,
-                 tp: ModelGroup | None = None) -> None:
+                 tp: ModelGroup | None = None, max_num_batched_tokens: int = 512) -> None:
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
         self.paged_forward = paged_forward if tp is None else tp.forward
         reason = graphs_unavailable(model) or no_graphs_reason
@@ -202,8 +206,16 @@ class ModelRunner:
         self.use_cuda_graphs = reason is None if cuda_graphs is None else cuda_graphs
         self.graphs: DecodeGraphs | None = None  # CUDA graphs: captured now; the compiled CPU step: at first use
         self.lora: Any = None  # the LoRASlots of the model's LoRALinear layers (chapter 08), once an adapter is added
+        # Packed steps with prompt work captured as CUDA graphs: opt-in (MINILLM_MIXED_GRAPHS=1) until measured on
+        # a GPU; written and tested on the CPU only so far (`minillm.engine.mixed_graphs`, issue 53).
+        self.mixed_graphs: MixedGraphs | None = None
         if self.use_cuda_graphs:
             self._decode_graphs()
+        if self.use_cuda_graphs and self.packed_in_place and os.environ.get("MINILLM_MIXED_GRAPHS", "0") == "1":
+            try:
+                self.mixed_graphs = MixedGraphs(model, cache, max_num_seqs, max_num_batched_tokens)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+                log.warning("capturing mixed steps failed, running them eagerly: %s", error)
 
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
@@ -228,13 +240,17 @@ class ModelRunner:
         On CUDA (`packed_in_place`: attention reads the pools in place, `minillm.kernels.paged_prefill_attention`) a
         step with any prompt chunk runs as ONE packed forward, its decode rows too (each a sequence of one token), in
         the step's order, as vLLM's "varlen" forward does: no keys are gathered, and a mixed step costs one forward
-        over its tokens rather than a decode step plus a prompt step. Decode-only steps keep their CUDA graphs.
+        over its tokens rather than a decode step plus a prompt step; with MINILLM_MIXED_GRAPHS=1, replayed as a CUDA
+        graph of its token bucket (`minillm.engine.mixed_graphs`). Decode-only steps keep their own CUDA graphs.
         """
         decodes, prompts, firsts = split if split is not None else split_rows(token_ids)
         swap = {"previous": previous} if previous is not None else {}  # every path swaps placeholders alike
         if prompts and self.packed_in_place and not (loras and any(name is not None for name in loras)):
             # One packed forward for the whole step, decode rows and prompt chunks in the step's order: the linear
-            # layers over every token at once, attention by the paged prefill kernel reading the pools in place.
+            # layers over every token at once, attention by the paged prefill kernel reading the pools in place;
+            # replayed as a CUDA graph where one holds the step.
+            if self.mixed_graphs is not None and self.mixed_graphs.fits(seq_ids, token_ids):
+                return self.mixed_graphs.run(seq_ids, token_ids, allocated=allocated, **swap)
             return paged_forward(self.model, self.cache, seq_ids, token_ids, packed=True, **swap)
         results = []
         for group in (decodes, prompts):

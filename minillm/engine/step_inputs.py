@@ -114,6 +114,18 @@ class PackedInputs(NamedTuple):
     seq_lens: torch.Tensor | None = None  # [P] the keys each sequence attends to, its new tokens' included
 
 
+class PackedArrays(NamedTuple):
+    """A packed step's inputs for the paged prefill kernel, on the host (`StepInputBuilder.packed_arrays`), int64."""
+
+    tokens: np.ndarray  # [N] the new token ids, sequence after sequence
+    positions: np.ndarray  # [N] their positions
+    write_slots: np.ndarray  # [N] where their keys and values are written
+    last_rows: np.ndarray  # [P] where each sequence's last new token sits in the row
+    q_starts: np.ndarray  # [P + 1] offsets of each sequence's new tokens
+    seq_lens: np.ndarray  # [P] the keys each sequence attends to, its new tokens' included
+    block_tables: np.ndarray  # [P, M] each sequence's blocks (those its keys fill), padded with block 0
+
+
 class DecodeRows(NamedTuple):
     """What `StepInputBuilder.decode_rows` returns."""
 
@@ -248,24 +260,33 @@ class StepInputBuilder:
 
             N tokens | N positions | N write slots | P last rows | P + 1 q_starts | P seq_lens | P x M block tables
         """
+        a = self.packed_arrays(tables, token_ids)
+        N, P = len(a.tokens), len(tables)
+        data = to_device(torch.from_numpy(np.concatenate(
+            [a.tokens, a.positions, a.write_slots, a.last_rows, a.q_starts, a.seq_lens, a.block_tables.reshape(-1)])),
+            None, device)
+        last, starts, lens, table = 3 * N, 3 * N + P, 3 * N + 2 * P + 1, 3 * N + 3 * P + 1  # where each part begins
+        return PackedInputs(data[:N][None], data[N: 2 * N][None], data[2 * N: last], data[:0], data[last: starts],
+                            data[starts: lens], tuple(a.q_starts.tolist()), (), data[table:].view(P, -1),
+                            data[lens: table])
+
+    def packed_arrays(self, tables: Sequence[BlockTable], token_ids: Sequence[Sequence[int]]) -> PackedArrays:
+        """A packed step's inputs for the paged prefill kernel, on the host, in numpy (a few operations per step, not
+        per token): token_ids[i] after what tables[i] holds. The captured mixed steps copy them into their fixed
+        buffers (`minillm.engine.mixed_graphs`); `packed(..., paged=True)` sends them as they are."""
         bs, P = self.block_size, len(tables)
         num_new = np.fromiter(map(len, token_ids), dtype=np.int64, count=P)
         context = np.fromiter((t.num_tokens for t in tables), dtype=np.int64, count=P)
         seq_lens = context + num_new
         q_starts = np.zeros(P + 1, dtype=np.int64)
         np.cumsum(num_new, out=q_starts[1:])
+        N = int(q_starts[-1])
         block_rows = rows_to_array([t.block_ids[: cdiv(int(n), bs)] for t, n in zip(tables, seq_lens)])  # [P, M]
         owner = np.repeat(np.arange(P), num_new)  # each new token's sequence
-        positions = np.arange(int(q_starts[-1])) - np.repeat(q_starts[:-1] - context, num_new)  # c, c + 1, ... each
+        positions = np.arange(N) - np.repeat(q_starts[:-1] - context, num_new)  # c, c + 1, ... in each sequence
         write = block_rows[owner, positions // bs] * bs + positions % bs
-        tokens = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(q_starts[-1]))
-        data = to_device(torch.from_numpy(np.concatenate(
-            [tokens, positions, write, q_starts[1:] - 1, q_starts, seq_lens, block_rows.reshape(-1)])), None, device)
-        N = int(q_starts[-1])
-        last, starts, lens, table = 3 * N, 3 * N + P, 3 * N + 2 * P + 1, 3 * N + 3 * P + 1  # where each part begins
-        return PackedInputs(data[:N][None], data[N: 2 * N][None], data[2 * N: last], data[:0], data[last: starts],
-                            data[starts: lens], tuple(q_starts.tolist()), (), data[table:].view(P, -1),
-                            data[lens: table])
+        tokens = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=N)
+        return PackedArrays(tokens, positions, write, q_starts[1:] - 1, q_starts, seq_lens, block_rows)
 
 
 class RowsToDevice:
