@@ -27,7 +27,6 @@ CPU, `minillm.engine.compiled_step.CompiledDecode` runs the same buffers through
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -35,6 +34,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from minillm.engine.block_manager import BlockTable
+from minillm.engine.graph_capture import record_graphs
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
 from minillm.engine.sequence import swap_inflight
 from minillm.engine.step_inputs import TABLE, TOKEN, RowsToDevice
@@ -136,27 +136,9 @@ class DecodeGraphs:
         """Record one graph per size, largest first, in one memory pool (only one replays at a time)."""
         from minillm.kernels.pdl import launches
 
-        start, pool, stream = time.perf_counter(), None, torch.cuda.Stream()
+        start = time.perf_counter()
         with launches():  # minillm's kernels start before the one before them ends (chapter 05; kernels/pdl.py)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-                for size in self.sizes:
-                    self._step(size)  # compiles the Triton kernels, creates cuBLAS handles: nothing new in capture
-            torch.cuda.current_stream().wait_stream(stream)
-            # No garbage collection during capture: collecting a dead object that holds graphs or CUDA memory
-            # (another engine's, say) frees them mid-capture, which CUDA forbids. They wait for later.
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                for size in reversed(self.sizes):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[size] = self._step(size)
-                    pool = graph.pool()
-                    self.graphs[size] = graph
-            finally:
-                if collecting:
-                    gc.enable()
+            self.graphs, self.outputs = record_graphs(self.sizes, self._step)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes), self.sizes,

@@ -29,7 +29,6 @@ replay have not yet run on a GPU, so they stay opt-in until they have been measu
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -37,6 +36,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from minillm.engine.graph_capture import record_graphs
 from minillm.engine.kv_cache import PackedCacheView, PagedKVCache
 from minillm.engine.sequence import swap_inflight
 from minillm.engine.step_inputs import PackedInputs, RowsToDevice
@@ -111,29 +111,13 @@ class MixedGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         """Record one graph per bucket, largest first, in one memory pool (only one replays at a time)."""
-        start, pool, stream = time.perf_counter(), None, torch.cuda.Stream()
+        start = time.perf_counter()
         self.host[:] = 0
         self.host[int(self.parts[2]): int(self.parts[3])] = self.pad_block * self.cache.block_size
         self.host[int(self.parts[5]): int(self.parts[6])] = 1  # padding sequences: one key, no query
         self.vector.copy_(torch.from_numpy(self.host))
         self.tables.fill_(self.pad_block)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the default stream: compiles the kernels, cuBLAS handles
-            for size in self.sizes:
-                self._step(size)
-        torch.cuda.current_stream().wait_stream(stream)
-        collecting = gc.isenabled()
-        gc.disable()  # as in DecodeGraphs: nothing may free CUDA memory mid-capture
-        try:
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self._step(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
-        finally:
-            if collecting:
-                gc.enable()
+        self.graphs, self.outputs = record_graphs(self.sizes, self._step)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d mixed-step graphs (tokens %s) in %.2f s", len(self.sizes), self.sizes,
@@ -158,7 +142,8 @@ class MixedGraphs:
         tables = [cache.block_tables[s] for s in seq_ids]
         a = cache.builder.packed_arrays(tables, token_ids)
         if a.block_tables.shape[1] > self.max_blocks:
-            raise ValueError(f"a sequence holds more than the {self.max_seq_len} tokens the graphs were made for.")
+            raise ValueError(f"a sequence holds more than the {self.max_seq_len} tokens the graphs were made for: run "
+                             "this step eagerly (paged_forward(..., packed=True)).")
         n = len(a.tokens)
         size = next(s for s in self.sizes if s >= n)
         host, parts, pad_slot = self.host, self.parts, self.pad_block * cache.block_size
