@@ -20,7 +20,7 @@ the engine runs: a packed forward replayed as a CUDA graph of its token bucket),
 and `split` (the earlier path: decode rows as their own forward, a prompt chunk's keys gathered then SDPA with a
 mask). Writes results/step_shapes/<name>.json (default cuda).
 
-    MINILLM_MIXED_GRAPHS=1 python benchmarks/step_shapes.py --paths graphs packed split --name cuda
+    python benchmarks/step_shapes.py --paths graphs packed split --name cuda
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def choose_path(engine, path: str) -> None:  # noqa: ANN001
     eagerly; split: the earlier path, a decode forward (its graphs) plus a prompt forward with gathered keys."""
     runner = engine.model_runner
     if path == "graphs" and runner.mixed_graphs is None:
-        sys.exit("--paths graphs needs MINILLM_MIXED_GRAPHS=1 (mixed-step graphs are opt-in until measured).")
+        sys.exit("--paths graphs: no mixed-step graphs were captured (is MINILLM_MIXED_GRAPHS=0 set?).")
     if path != "graphs":
         runner.mixed_graphs = None
     runner.packed_in_place = path != "split"
@@ -144,7 +144,9 @@ def mixed_and_itl(model, path: str, rows: int = 32, context: int = 512, long_len
     mixed = [t for t, p in chunked if p]
     for rid in {s.request_id for s in engine.scheduler.sequences.values()}:
         engine.abort_request(rid)
-    return {"decode_rows": rows, "context": context, "mixed_steps": len(mixed),
+    graphs = engine.model_runner.mixed_graphs
+    captured = {"capture_s": graphs.capture_seconds, "token_buckets": graphs.sizes} if graphs is not None else {}
+    return {**captured, "decode_rows": rows, "context": context, "mixed_steps": len(mixed),
             "chunk_tokens": statistics.median([p for _, p in chunked if p]) if mixed else 0,
             "decode_only_step_s": statistics.median(decode),
             "mixed_step_s": statistics.median(mixed) if mixed else None,
@@ -241,7 +243,7 @@ def sweep(seqlen: int, head_dim: int, heads: int = 32, kv_heads: int = 8) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=["packed", "split"])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--name", default="cuda")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep the paged prefill kernel's tiles")

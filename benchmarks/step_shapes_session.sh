@@ -10,5 +10,5 @@ name=${1:-cuda}
 PYTHONPATH="$PWD" python3 -m pytest tests/kernels/test_paged_prefill.py tests/engine/test_paged_kv_cache.py tests/engine/test_mixed_graphs.py \
     tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py tests/engine/test_engine.py \
     -q -p no:cacheprovider 2>&1 | tail -6
-MINILLM_MIXED_GRAPHS=1 PYTHONPATH="$PWD" python3 benchmarks/step_shapes.py --paths ${PATHS_:-graphs packed split} --name "$name" 2>&1 | tail -14
+PYTHONPATH="$PWD" python3 benchmarks/step_shapes.py --paths ${PATHS_:-graphs packed split} --name "$name" 2>&1 | tail -14
 cp "results/step_shapes/$name.json" "$OUT/" 2>/dev/null || echo "no results file"

@@ -88,9 +88,9 @@ def _fold_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "search_steps", "stride_tb"])  # one compiled kernel for any step's batch
 def _paged_prefill_kernel(
-    Q, K, V, O, QStarts, SeqLens, BlockTables, K_Scale, V_Scale, TileStarts, P,
+    Q, K, V, O, QStarts, SeqLens, BlockTables, K_Scale, V_Scale, TileStarts, P, search_steps,
     stride_qn, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -99,7 +99,7 @@ def _paged_prefill_kernel(
     stride_sb, stride_ss, stride_sh,
     GROUP, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (i, kv_h): the i-th query tile of the step's list, BLOCK_M rows (query t, head g) of one sequence, KV
     head kv_h, over the keys they see. TileStarts [P + 1]: where each sequence's tiles begin in the list (the grid
@@ -111,7 +111,7 @@ def _paged_prefill_kernel(
     # Whose tile is i: the last sequence whose tiles begin at or before it (a binary search over TileStarts).
     lo = i * 0  # int32 tensors from the start: loop-carried values keep one type
     hi = lo + P - 1
-    for _ in range(SEARCH_STEPS):
+    for _ in range(search_steps):  # ceil(log2 P) halvings
         mid = (lo + hi + 1) // 2
         after = tl.load(TileStarts + mid) <= i
         lo, hi = tl.where(after, mid, lo), tl.where(after, hi, mid - 1)
@@ -273,10 +273,11 @@ def paged_prefill_attention(
     launch = {} if _interpreted() else {"num_warps": warps, "num_stages": stages}
     _paged_prefill_kernel[grid](
         q, k_pool, v_pool, out, q_starts, seq_lens, block_tables, k_scale, v_scale, tile_starts, P,
+        max(1, (P - 1).bit_length()),
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(), *block_tables.stride(),
         *(k_scale.stride() if kv_scales is not None else (0, 0, 0)),
         group, scale * math.log2(math.e),
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_SIZE=page, QUANT=kv_scales is not None, UPCAST=upcast,
-        DOT_PRECISION=precision, SEARCH_STEPS=max(1, (P - 1).bit_length()), **launch,
+        DOT_PRECISION=precision, **launch,
     )
     return out

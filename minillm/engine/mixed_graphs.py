@@ -19,9 +19,10 @@ paged prefill kernel's list of tiles is computed inside the graph from q_starts,
 read on the host inside the replay. vLLM captures its mixed steps piecewise, with attention outside the graphs;
 here attention needs no host work, so the whole forward is one graph.
 
-Status: the engine captures them only with MINILLM_MIXED_GRAPHS=1. The buffers and the step were checked on the CPU
-(`capture=False`, the kernel through Triton's interpreter, tests/engine/test_mixed_graphs.py); the capture and the
-replay have not yet run on a GPU, so they stay opt-in until they have been measured there.
+The engine captures them wherever it captures decode steps (MINILLM_MIXED_GRAPHS=0 turns them off). Measured on an
+H200 (benchmarks/step_shapes.py, results/step_shapes/cuda.json): 32 decode rows beside a 480-token chunk, 12 ms a
+step eager and 3.3 ms replayed. The buffers and the step are also checked on the CPU (`capture=False`, the kernel
+through Triton's interpreter, tests/engine/test_mixed_graphs.py).
 
     graphs = MixedGraphs(model, cache, max_seqs=64, max_tokens=512)
     logits = graphs.run(["a", "b"], [[5, 6, 7], [9]])   # a's chunk of 3 beside b's decode token -> [2, vocab]
@@ -62,15 +63,16 @@ class MixedGraphs:
     """Packed steps of `model` over `cache` (any mix of prompt chunks and decode rows), one CUDA graph per token
     bucket (`token_buckets`), for steps of at most `max_seqs` sequences and `max_tokens` new tokens.
 
-    The pools' addresses are baked into the graphs: they serve this cache only. Capture takes one block of the pool
-    for the padding tokens, for as long as the object lives. `capture=False` runs the same code over the same buffers
+    The pools' addresses are baked into the graphs: they serve this cache only. The padding tokens write to
+    `pad_block` (the engine passes its decode graphs'), else to a block capture takes from the pool for as long as the
+    object lives. `capture=False` runs the same code over the same buffers
     eagerly (a test of the buffers without a graph).
     """
 
     capture_seconds = 0.0
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int, max_tokens: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, pad_block: int | None = None) -> None:
         self.model, self.cache, self.capture, self.P = model, cache, capture, max_seqs
         self.sizes = token_buckets(max_tokens)
         bs, n = cache.block_size, self.sizes[-1]
@@ -84,14 +86,18 @@ class MixedGraphs:
         self.host = np.zeros(int(self.parts[-1]), dtype=np.int64)
         self.send_vector = RowsToDevice(self.vector.numel(), device)
         self.send_tables = RowsToDevice(self.tables.numel(), device)
-        self.pad_block = cache.allocator.allocate()
+        # Padding tokens write their keys to a block no sequence reads; the decode graphs' padding block serves
+        # (what is written there is never used), so that a pool sized for its sequences loses one block, not two.
+        self.owns_pad = pad_block is None
+        self.pad_block = cache.allocator.allocate() if pad_block is None else pad_block
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
             try:
                 self._capture()
             except BaseException:
-                cache.allocator.free(self.pad_block)  # a failed capture leaves the pool as it found it
+                if self.owns_pad:
+                    cache.allocator.free(self.pad_block)  # a failed capture leaves the pool as it found it
                 raise
 
     def part(self, i: int, size: int | None = None) -> torch.Tensor:

@@ -39,11 +39,13 @@ def test_token_buckets_are_powers_of_two_up_to_the_budget():
 def test_fixed_buffers_give_the_eager_packed_steps_logits_and_cache():
     """Three steps of mixed rows (fresh prompts, a later chunk, decode rows, a placeholder token from the step before)
     through MixedGraphs(capture=False) and through the eager packed forward, each on its own cache: the same logits
-    (fp32, within 1e-4: the attention is another kernel), the same tokens committed, the same keys in every layer."""
-    model, _ = minillm.load("shakespeare-1m")
+    (fp32, within 1e-4: the attention is another kernel), the same tokens committed, the same keys in every layer.
+    On a GPU both run on it (the kernel compiled, the graphs not captured); elsewhere on the CPU, in the interpreter."""
+    device = "cuda" if CUDA else "cpu"
+    model, _ = minillm.load("shakespeare-1m", device=device, dtype=torch.float32)
     rng = random.Random(3)
     vocab = model.config.vocab_size
-    caches = [PagedKVCache(model.config, 48, 16) for _ in range(2)]
+    caches = [PagedKVCache(model.config, 48, 16, device=device) for _ in range(2)]
     graphs = MixedGraphs(model, caches[0], max_seqs=4, max_tokens=64, capture=False)
     for cache in caches:
         for i in range(3):
@@ -51,7 +53,7 @@ def test_fixed_buffers_give_the_eager_packed_steps_logits_and_cache():
     steps = [([0, 1], [[rng.randrange(vocab) for _ in range(n)] for n in (20, 9)]),
              ([0, 1, 2], [[7], [rng.randrange(vocab) for _ in range(30)], [rng.randrange(vocab) for _ in range(5)]]),
              ([2, 0, 1], [[-1], [4], [11]])]  # -1: the token sampled in row 0 of the step before, still on the device
-    previous = torch.tensor([13, 2])
+    previous = torch.tensor([13, 2], device=device)
     for ids, new in steps:
         swap = {"previous": previous} if any(t < 0 for row in new for t in row) else {}
         fixed = graphs.run(ids, new, **swap)
@@ -75,7 +77,7 @@ def test_the_engine_replays_mixed_steps_and_generates_what_it_did_eagerly(monkey
     from minillm.decoding.llm import LLM
     from minillm.sampler.sampling import SamplingParams
 
-    monkeypatch.setenv("MINILLM_MIXED_GRAPHS", "1")  # opt-in until measured on a GPU
+    monkeypatch.delenv("MINILLM_MIXED_GRAPHS", raising=False)  # captured by default
     gpu_model, _ = minillm.load("shakespeare-1m", device="cuda", dtype=torch.float32)
     rng = random.Random(5)
     prompts = [[rng.randrange(2, gpu_model.config.vocab_size) for _ in range(rng.randint(5, 90))] for _ in range(10)]
