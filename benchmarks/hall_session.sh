@@ -3,7 +3,7 @@
 # alternated (odd rounds before first, even rounds after first) on the host's step (engine_host_step, batches
 # 1/64/256), the batch-1 decode step and offline throughput. Results to $OUT/<label>_<benchmark>_r<round>.json.
 # Each mode fits the device's 10 minutes:
-#   BEFORE=ab_<commit> bash benchmarks/hall_session.sh {tests|ab ROUND}
+#   BEFORE=ab_<commit> bash benchmarks/hall_session.sh {tests|ab ROUND|probe ROUNDS}
 # Needs the before tree carried to the device (BEFORE, default ab_d8b3301, the first round of issue 52):
 #   mkdir ab_C && git archive C minillm kernels benchmarks ':!minillm/models' | tar -x -C ab_C
 # AFTER (default ., this tree) can name a second archived tree, so that edits made while the rounds run
@@ -36,5 +36,14 @@ ab)
     run "$1" "$2" "$round" engine_host_step --device cuda --batches 1 64 256
     run "$1" "$2" "$round" roofline --shapes llama-1B --batches 1 --hf none
     run "$1" "$2" "$round" engine_throughput_ab --modes default
+  done ;;
+probe)  # ROUNDS alternated runs of benchmarks/hall_probe.py, each tree in a fresh process, to $OUT/probe.jsonl
+  for round in $(seq 1 "${2:-3}"); do
+    pairs=("$before before" "$after after")
+    [ $((round % 2)) -eq 0 ] && pairs=("$after after" "$before before")
+    for pair in "${pairs[@]}"; do
+      set -- $pair
+      python3 benchmarks/hall_probe.py "$1" "$2" 2>&1 | tail -1 | tee -a "$OUT/probe.jsonl"
+    done
   done ;;
 esac
