@@ -23,8 +23,12 @@ student's feedback names them and says pass or fail, nothing more.
     minillm grade submissions/ -j 4 --csv grades.csv --json grades.json --feedback feedback/
     minillm grade submissions/dave/ --update grades.json --csv grades.csv   # re-grade one student
 
-The student's name is the notebook's folder when the file has its chapter's name
-(`alice/00_the_model.ipynb` -> alice), else the file's stem (`alice.ipynb` -> alice).
+Whose a notebook is comes from where it sits, never from what it is called: in a class folder, the folder's
+top-level entry (`class/alice/00_the_model.ipynb` and `class/alice/late/anything.ipynb` -> alice;
+`class/alice.ipynb` -> alice). A notebook given on its own is its folder's when the file has its chapter's name
+(`dave/00_the_model.ipynb` -> dave), else its stem's. Symbolic links are refused (a link could hand in a
+classmate's file, or any file the teacher can read), one student's chapter handed in twice is an error naming both
+files, and student text reaches the reports with its control characters removed (`gradebook.clean`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from minillm.book import Book, Chapter, load_book
 from minillm.book.grading.check import get_task, run_task
@@ -43,6 +49,8 @@ from minillm.book.grading.gradebook import (
     NotebookGrade,
     TaskGrade,
     TestGrade,
+    clean,
+    duplicates,
     load_roster,
     merge_into,
     write_csv,
@@ -61,38 +69,51 @@ from minillm.book.grading.sandbox import (
 DEFAULT_TIMEOUT_S = 600.0
 
 
+class Submission(NamedTuple):
+    """A notebook to grade, and the student it belongs to (`find_notebooks`)."""
+
+    path: Path
+    student: str
+
+
 def student_name(path: Path, book: Book) -> str:
-    """alice/00_the_model.ipynb -> "alice"; alice.ipynb -> "alice"."""
+    """A notebook given on its own: dave/00_the_model.ipynb -> "dave" (its chapter's name); alice.ipynb -> "alice"."""
     return path.parent.name if book.chapter_of_notebook(path) is not None else path.stem
 
 
 def grade_notebook(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, chapter_id: str | None = None,
                    memory_bytes: int = DEFAULT_MEMORY_BYTES, book_path: str | Path | None = None,
                    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True,
-                   points: dict[str, float] | None = None) -> NotebookGrade:
+                   points: dict[str, float] | None = None, student: str | None = None) -> NotebookGrade:
     """Run one notebook in a sandbox and grade every task of its chapter. Never raises for a bad notebook.
 
     The chapter is the book.yml chapter whose notebook has this file name (a different `chapter_id` is
     noted as a warning), else `chapter_id`, else the chapter of the task ids the notebook's `check`
-    calls name. `points` overrides book.yml's points of some tasks.
+    calls name. `points` overrides book.yml's points of some tasks. `student`: whose it is (`find_notebooks`
+    says), else `student_name`. A symbolic link is refused, and nothing of an unreadable file is quoted.
     """
     import nbformat
 
     book = load_book(book_path)
     path = Path(path)
-    grade = NotebookGrade(notebook=str(path), student=student_name(path, book))
+    grade = NotebookGrade(notebook=str(path), student=student or student_name(path, book))
     chapter = book.chapter_of_notebook(path)
     if chapter is not None and chapter_id and chapter.id != chapter_id:
         grade.notes.append(f"warning: {path.name} is chapter {chapter.id}'s notebook, but --chapter {chapter_id} "
                            f"was given; graded as chapter {chapter.id}")
     elif chapter is None and chapter_id:
         chapter = book.chapter(chapter_id)
+    if path.is_symlink():
+        return _all_failed(grade, chapter, f"refused: {path.name} is a symbolic link, not a notebook; hand in the "
+                                           "notebook file itself", points)
     try:
         nb = nbformat.read(path, as_version=4)
     except FileNotFoundError:
         return _all_failed(grade, chapter, f"notebook {path} not found", points)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-        return _all_failed(grade, chapter, f"not a readable notebook: {type(exc).__name__}: {exc}", points)
+        # The exception's text can quote the file (a JSON error near its first bytes): only its kind is said.
+        return _all_failed(grade, chapter, f"not a readable notebook ({type(exc).__name__}); open it in Jupyter, "
+                                           "save it, and hand it in again", points)
     src = read_source([c.source for c in nb.cells if c.cell_type == "code"])
     if chapter is None:
         prefixes = {task_id.split(".")[0] for task_id in src.checked}
@@ -180,14 +201,33 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
 # ---- many notebooks -----------------------------------------------------------------------------
 
 
-def find_notebooks(paths: list[str]) -> list[Path]:
-    """Files as given; folders searched for .ipynb files (checkpoints skipped), sorted."""
-    found: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found += sorted(f for f in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in f.parts)
-        else:
-            found.append(p)
+def find_notebooks(paths: list[str], book: Book | None = None) -> list[Submission]:
+    """The notebooks to grade and whose each is. A file is taken as given (`student_name`). A folder is searched
+    for .ipynb files (checkpoints skipped, sorted) without following links: each belongs to the folder's
+    top-level entry under which it sits (alice/..., or alice.ipynb directly there); one directly in the folder
+    and named for its chapter is the folder's (a student's own folder, given to grade again). A symbolic link
+    there, to a notebook or to a folder, is handed on as it is, so that its student's grade says it was refused."""
+    book = book or load_book()
+    found: list[Submission] = []
+    for root in map(Path, paths):
+        if not root.is_dir() or root.is_symlink():
+            found.append(Submission(root, student_name(root, book)))
+            continue
+        here: list[Path] = []
+        for folder, dirs, files in os.walk(root):  # does not follow links to folders: they are listed, below
+            dirs[:] = sorted(d for d in dirs if d != ".ipynb_checkpoints")
+            links = [d for d in dirs if (Path(folder) / d).is_symlink()]
+            here += [Path(folder) / name for name in files if name.endswith(".ipynb")]
+            here += [Path(folder) / d for d in links]
+        for path in sorted(here):
+            parts = path.relative_to(root).parts
+            if len(parts) > 1:
+                student = parts[0]
+            elif book.chapter_of_notebook(path) is not None:
+                student = root.resolve().name
+            else:
+                student = path.stem
+            found.append(Submission(path, student))
     return found
 
 
@@ -219,26 +259,29 @@ def load_extra_tests(folder: str | Path) -> int:
     return added
 
 
-def grade_all(notebooks: list[Path], jobs: int = 1, progress: bool = True, **kwargs: object) -> list[NotebookGrade]:
-    """Grade many notebooks, `jobs` at a time (each in its own sandbox), in the order given."""
+def grade_all(notebooks: list[Path | Submission], jobs: int = 1, progress: bool = True,
+              **kwargs: object) -> list[NotebookGrade]:
+    """Grade many notebooks (paths, or `Submission`s that say whose), `jobs` at a time (each in its own
+    sandbox), in the order given."""
     from tqdm.auto import tqdm
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             tqdm(total=len(notebooks), desc="grading", unit="notebook", disable=not progress,
                  file=sys.stderr) as bar:
-        futures = [pool.submit(_grade_or_report, nb, **kwargs) for nb in notebooks]
+        futures = [pool.submit(_grade_or_report, *nb, **kwargs) if isinstance(nb, Submission)
+                   else pool.submit(_grade_or_report, nb, **kwargs) for nb in notebooks]
         for future in futures:
             future.add_done_callback(lambda _: bar.update(1))
         return [f.result() for f in futures]
 
 
-def _grade_or_report(path: Path, **kwargs: object) -> NotebookGrade:
+def _grade_or_report(path: Path, student: str | None = None, **kwargs: object) -> NotebookGrade:
     """grade_notebook; should the grader itself fail on one notebook, that notebook says so and the class goes on."""
     try:
-        return grade_notebook(path, **kwargs)
+        return grade_notebook(path, student=student, **kwargs)
     except Exception as exc:  # noqa: BLE001 - one notebook must never stop the gradebook
         book = load_book(kwargs.get("book_path"))  # type: ignore[arg-type]
-        grade = NotebookGrade(notebook=str(path), student=student_name(path, book))
+        grade = NotebookGrade(notebook=str(path), student=student or student_name(path, book))
         chapter = book.chapter_of_notebook(path) or (book.chapter(str(kwargs["chapter_id"]))
                                                      if kwargs.get("chapter_id") else None)
         return _all_failed(grade, chapter, f"the grader failed on this notebook ({type(exc).__name__}: {exc}); "
@@ -282,13 +325,13 @@ def parse_points(pairs: list[str], file: str | None) -> dict[str, float]:
 
 def format_report(grades: list[NotebookGrade]) -> str:
     lines = []
-    for g in grades:
-        lines.append(f"{g.student} ({g.notebook}): {g.score:g}/{g.max_score:g} points")
-        lines += [f"  {note}" for note in g.notes if note.startswith("warning:")]
+    for g in grades:  # student text (names, paths, exception messages) cleaned of control characters
+        lines.append(f"{clean(g.student)} ({clean(g.notebook)}): {g.score:g}/{g.max_score:g} points")
+        lines += [f"  {clean(note)}" for note in g.notes if note.startswith("warning:")]
         for t in g.tasks:
             mark = "PASS" if t.passed else ("PART" if t.score > 0 else "FAIL")
-            lines.append(f"  {mark}  {t.id:<22} {t.score:>5.3g}/{t.points:<4g} {t.reason}")
-            lines += [f"        REVIEW: {why}" for why in t.review]
+            lines.append(f"  {mark}  {t.id:<22} {t.score:>5.3g}/{t.points:<4g} {clean(t.reason)}")
+            lines += [f"        REVIEW: {clean(why)}" for why in t.review]
     if len(grades) > 1:
         lines.append(f"total: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g} points "
                      f"in {len(grades)} notebooks")
@@ -314,6 +357,12 @@ def cmd_grade(args: argparse.Namespace) -> int:
     notebooks = find_notebooks(args.notebooks)
     if not notebooks:
         raise ValueError(f"no notebooks found in {' '.join(args.notebooks)}")
+    named = [NotebookGrade(str(n.path), n.student, getattr(load_book().chapter_of_notebook(n.path), "id", None))
+             for n in notebooks]
+    twice = duplicates([g for g in named if g.chapter])  # by file name now; by content after grading (_by_student)
+    if twice:
+        raise ValueError("a student hands in one chapter twice: " + "; ".join(twice) + ". Keep one notebook per "
+                         "student and chapter (which one counts is yours to decide), then grade again.")
     grades = grade_all(notebooks, jobs=args.jobs, progress=not args.no_progress, timeout_s=args.timeout,
                        chapter_id=args.chapter, memory_bytes=int(args.memory_gb * 2**30),
                        cell_timeout_s=args.cell_timeout, isolate=not args.no_sandbox, points=points)
@@ -321,7 +370,11 @@ def cmd_grade(args: argparse.Namespace) -> int:
     for g in grades:
         for note in g.notes:
             if note.startswith("warning:"):
-                print(f"{g.notebook}: {note}", file=sys.stderr)
+                print(f"{clean(g.notebook)}: {clean(note)}", file=sys.stderr)
+    twice = duplicates(grades)
+    if twice:  # chapters known only from the notebooks' checks
+        raise ValueError("a student handed in one chapter twice: " + "; ".join(twice) + ". Keep one notebook per "
+                         "student and chapter, then grade again; nothing was written.")
     gradebook = merge_into(previous, grades)
     json_path = args.json or args.update
     if json_path:

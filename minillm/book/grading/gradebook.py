@@ -9,10 +9,36 @@ a Canvas or Gradescope import, and one Markdown feedback file per student. Nothi
 from __future__ import annotations
 
 import csv
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minillm.book import Book, Chapter, load_book
+
+# C0 and C1 control characters (newlines, tabs and the terminal's escape codes among them), DEL, and the Unicode
+# marks that reorder or hide text (bidirectional overrides and isolates, zero-width characters).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]+")
+
+
+def clean(text: object) -> str:
+    """Student-controlled text (a folder name, an exception's message) made safe for a report line: every run of
+    control characters becomes one space, so that no newline forges a line and no escape code reaches a terminal."""
+    return _CONTROL.sub(" ", str(text)).strip()
+
+
+def csv_cell(value: object) -> object:
+    """A CSV cell that a spreadsheet shows as text: a string that starts like a formula (= + - @, or a tab or a
+    carriage return first) gets a leading apostrophe, as OWASP's advice on CSV injection says; numbers pass."""
+    if not isinstance(value, str):
+        return value
+    value = clean(value)
+    return "'" + value if value[:1] in ("=", "+", "-", "@") else value
+
+
+def file_name(student: str) -> str:
+    """A student's name as a file name of its own: path separators and anything unusual become `_`."""
+    name = re.sub(r"[^\w.-]", "_", clean(student)).lstrip(".")
+    return name or "_"
 
 
 @dataclass
@@ -73,8 +99,22 @@ def _chapters_in_book_order(grades: list[NotebookGrade], book: Book) -> list[Cha
     return [c for c in book.chapters if c.id in ids]
 
 
+def duplicates(grades: list[NotebookGrade]) -> list[str]:
+    """One line per (student, chapter) graded more than once, naming the notebooks; [] when there is none."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for g in grades:
+        seen.setdefault((g.student, g.chapter or "?"), []).append(g.notebook)
+    return [f"{clean(student)}, chapter {chapter}: {' and '.join(map(clean, books))}"
+            for (student, chapter), books in seen.items() if len(books) > 1]
+
+
 def _by_student(grades: list[NotebookGrade]) -> dict[str, dict[str, NotebookGrade]]:
-    """student -> chapter -> that student's grade (the last one given, if a chapter was handed in twice)."""
+    """student -> chapter -> that student's grade. Two grades of one (student, chapter) are an error: which one
+    counts is the teacher's decision, never the order the files were found in."""
+    twice = duplicates(grades)
+    if twice:
+        raise ValueError("a student handed in one chapter twice, so the grade would depend on which file came last: "
+                         + "; ".join(twice) + ". Keep one notebook per student and chapter, then grade again.")
     table: dict[str, dict[str, NotebookGrade]] = {}
     for g in grades:
         table.setdefault(g.student, {})[g.chapter or "?"] = g
@@ -94,7 +134,7 @@ def write_csv(grades: list[NotebookGrade], path: str | Path, book: Book | None =
         writer = csv.writer(f)
         writer.writerow([*header, "total", "max", "to review"])
         for student, by_chapter in _by_student(grades).items():
-            row, total, maximum, review = [student], 0.0, 0.0, 0
+            row, total, maximum, review = [csv_cell(student)], 0.0, 0.0, 0
             for c in chapters:
                 g = by_chapter.get(c.id)
                 scores = {t.id: t.score for t in g.tasks} if g else {}
@@ -146,28 +186,28 @@ def write_lms_csv(grades: list[NotebookGrade], path: str | Path, lms: str, roste
             who = roster.get(student, {})
             scores = [round(by_chapter[c.id].score, 4) if c.id in by_chapter else "" for c in chapters]
             if lms == "canvas":
-                writer.writerow([who.get("name") or student, who.get("canvas_id", ""), who.get("sis_user_id", ""),
-                                 who.get("sis_login_id") or student, who.get("section", ""), *scores])
+                cells = [who.get("name") or student, who.get("canvas_id", ""), who.get("sis_user_id", ""),
+                         who.get("sis_login_id") or student, who.get("section", "")]
             else:
-                writer.writerow([who.get("name") or student, who.get("sid") or student, who.get("email", ""),
-                                 *scores])
+                cells = [who.get("name") or student, who.get("sid") or student, who.get("email", "")]
+            writer.writerow([*map(csv_cell, cells), *scores])
 
 
 def feedback_text(student: str, grades: list[NotebookGrade], show_hidden: bool = False) -> str:
     """A student's feedback, in Markdown: per chapter and task, the score, each test's name and result,
     what went wrong and the hint. Hidden tests are named with pass or fail only (unless `show_hidden`)."""
-    lines = [f"# Feedback for {student}", ""]
+    lines = [f"# Feedback for {clean(student)}", ""]
     for g in grades:
         lines += [f"## Chapter {g.chapter}: {g.score:g} / {g.max_score:g} points", "",
-                  f"Notebook: `{Path(g.notebook).name}`", ""]
-        lines += [f"- {note}" for note in g.notes if not note.startswith("warning:")] + ([""] if g.notes else [])
+                  f"Notebook: `{clean(Path(g.notebook).name)}`", ""]
+        lines += [f"- {clean(note)}" for note in g.notes if not note.startswith("warning:")] + ([""] if g.notes else [])
         for t in g.tasks:
             lines += [f"### {t.id}: {t.score:.3g} / {t.points:g}", ""]
             if not t.tests:
-                lines += [t.reason, ""]
+                lines += [clean(t.reason), ""]
                 continue
             if t.reason.startswith("no credit"):
-                lines += [t.reason, ""]
+                lines += [clean(t.reason), ""]
             for test in t.tests:
                 mark = "pass" if test.passed else "FAIL"
                 if test.hidden and not show_hidden:
@@ -175,20 +215,24 @@ def feedback_text(student: str, grades: list[NotebookGrade], show_hidden: bool =
                     continue
                 lines.append(f"- {mark}: {test.name}" + (" (a hidden test)" if test.hidden else ""))
                 if not test.passed:
-                    lines.append(f"  - {test.message}")
+                    lines.append(f"  - {clean(test.message)}")
                     if test.hint:
-                        lines.append(f"  - hint: {test.hint}")
+                        lines.append(f"  - hint: {clean(test.hint)}")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def write_feedback(grades: list[NotebookGrade], folder: str | Path, show_hidden: bool = False) -> list[Path]:
-    """One Markdown file per student, `folder/<student>.md`."""
+    """One Markdown file per student, `folder/<student>.md` (the name made safe as a file name: `file_name`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for student, by_chapter in _by_student(grades).items():
-        path = folder / f"{student}.md"
+    table = _by_student(grades)
+    names = [file_name(student) for student in table]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two students' names give one feedback file name among {sorted(table)}: rename one folder")
+    for (student, by_chapter), name in zip(table.items(), names):
+        path = folder / f"{name}.md"
         path.write_text(feedback_text(student, list(by_chapter.values()), show_hidden), encoding="utf-8")
         written.append(path)
     return written
