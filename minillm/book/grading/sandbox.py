@@ -76,6 +76,7 @@ MAX_FILE_BYTES = 256 * 2**20
 DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted and the notebook goes on
 CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
 MAX_SKIPPED_CELLS = 3  # ...and the notebook re-run without it, at most this often
+EXIT_GRACE_S = 5.0  # a process whose reply channel closed has this long (within the deadline) to end by itself
 SANDBOX_HOME = "/home/student"  # the notebook's writable folder, inside bubblewrap
 SANDBOX_UID = 65534  # "nobody"
 _HEADER = struct.Struct(">Q")
@@ -254,7 +255,8 @@ class Sandbox:
     timeout_s:      wall-clock seconds the notebook may take to run top to bottom
     cell_timeout_s: seconds one code cell may take; it is then interrupted and the next cell runs
     memory_bytes:   address space the notebook may use beyond the sandbox's own imports
-    restarts:       how often a sandbox killed after a hung call is started again (re-running the notebook)
+    restarts:       how often, per task, a sandbox stopped after a hung call is started again (re-running the
+                    notebook); the next task starts with as many again, and the message names why it stopped
     isolate:        run inside bubblewrap (see the module's docstring); False only for one's own notebooks
 
     After `start`, `cell_errors` says which cells failed or were interrupted, and `flags` holds the review
@@ -264,7 +266,10 @@ class Sandbox:
     def __init__(self, notebook: str | Path, timeout_s: float = 600.0, memory_bytes: int = DEFAULT_MEMORY_BYTES,
                  restarts: int = 2, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True) -> None:
         self.notebook = Path(notebook).resolve()
-        self.timeout_s, self.memory_bytes, self.restarts_left = timeout_s, memory_bytes, restarts
+        self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
+        self.restarts = self.restarts_left = restarts
+        self.stopped_because = ""  # why the process was last stopped during a call, for the message that follows
+        self._task: str | None = None  # the task whose calls spend `restarts_left`
         self.cell_timeout_s, self.isolate = cell_timeout_s, isolate
         self.proc: subprocess.Popen | None = None
         self.cell_errors: list[str] = []
@@ -377,10 +382,13 @@ class Sandbox:
         """
         from minillm.book.grading.registry import StudentError
 
+        if task != self._task:  # each task has its own restarts: one hung task does not zero the next
+            self._task, self.restarts_left = task, self.restarts
         if self.proc is None or self.proc.poll() is not None:
             if self.restarts_left <= 0:
-                raise SandboxError("the notebook's process was stopped after earlier calls hung, and no restarts "
-                                   "are left")
+                raise SandboxError(f"the notebook's process was stopped {self.restarts + 1} times during this task's "
+                                   f"tests (last: {self.stopped_because or 'it ended'}), so its other tests were not "
+                                   "run; make the function return within the test's time limit")
             self.restarts_left -= 1
             self.start()
         probe_name = f"{probe.__module__}:{probe.__qualname__}" if probe is not None else None
@@ -405,12 +413,21 @@ class Sandbox:
             reply = _receive(self._rep_r, deadline, trusted=False)
         except SandboxTimeoutError:
             self.kill()
+            self.stopped_because = what or "the notebook ran past its time limit"
             raise SandboxTimeoutError(what) from None
         except EOFError:
-            status = self.proc.wait() if self.proc is not None else None
+            # The reply pipe closed. The process may have ended, or closed the pipe and gone on (asleep, say):
+            # it gets a few seconds, within the deadline, to end by itself, and is stopped either way.
+            status = None
+            if self.proc is not None:
+                try:
+                    status = self.proc.wait(timeout=max(0.0, min(EXIT_GRACE_S, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    status = "still running, so it was stopped"
             tail = [ln for ln in self.log.strip().splitlines() if ln.strip()][-1:]
             self.kill()
-            raise SandboxError(f"the notebook's process ended (exit status {status})"
+            self.stopped_because = f"its reply channel closed (exit status {status})"
+            raise SandboxError(f"the notebook's process closed its reply channel (exit status {status})"
                                + (f"; its last output: {tail[0][:300]}" if tail else "")) from None
         except Exception as exc:  # noqa: BLE001 - anything unreadable means the channel was tampered with
             self.kill()

@@ -1,0 +1,46 @@
+"""Every wait of the grader is bounded (issue 55): a notebook that closes its reply channel and sleeps stops its
+own grading, not the class's; a task's hung calls spend that task's restarts, not the next task's, and the message
+says why the process was stopped.
+
+The sandbox runs without bubblewrap here (`isolate=False`): what is tested is the grader's side of the pipes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minillm.book.grading.sandbox import Sandbox, SandboxError
+
+CLOSES_AND_SLEEPS = """import os, sys, time
+def param_count(config):
+    os.close(int(sys.argv[2]))  # the reply channel the grader reads (the sandbox's second argument)
+    time.sleep(3600)
+def rms_norm(x, weight, eps=1e-5):
+    return x
+"""
+
+
+def _notebook(path: Path, source: str) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_closed_reply_channel_stops_the_call_within_seconds_and_restarts_are_per_task(tmp_path):
+    path = _notebook(tmp_path / "sleeper.ipynb", CLOSES_AND_SLEEPS)
+    with Sandbox(path, timeout_s=120, restarts=1, isolate=False) as sandbox:
+        sandbox.start()
+        for _ in range(2):  # the first call, then the one restart this task has
+            start = time.monotonic()
+            with pytest.raises(SandboxError, match="closed its reply channel"):
+                sandbox.call("param_count", (1,), {}, (), time.monotonic() + 60, task="00.param_count")
+            assert time.monotonic() - start < 30, "the grader waited on a process that will never answer"
+        with pytest.raises(SandboxError, match=r"stopped 2 times during this task's tests \(last: its reply channel"):
+            sandbox.call("param_count", (1,), {}, (), time.monotonic() + 60, task="00.param_count")
+        value, _ = sandbox.call("rms_norm", (3, 1), {}, (), time.monotonic() + 60, task="00.rms_norm")
+        assert value == 3, "the next task starts with restarts of its own"
