@@ -44,3 +44,38 @@ def test_a_closed_reply_channel_stops_the_call_within_seconds_and_restarts_are_p
             sandbox.call("param_count", (1,), {}, (), time.monotonic() + 60, task="00.param_count")
         value, _ = sandbox.call("rms_norm", (3, 1), {}, (), time.monotonic() + 60, task="00.rms_norm")
         assert value == 3, "the next task starts with restarts of its own"
+
+
+OWN_PROBE = """from minillm.book.grading import get_task
+from minillm.book.grading.registry import call_probed
+
+
+def count_calls(answer, config):
+    return answer(config)
+
+
+@get_task("00.param_count").test("probed")
+def probed(answer):
+    call_probed(answer, count_calls, 1)
+"""
+
+
+def test_a_hidden_tests_own_probe_is_refused_at_load_and_never_sent_to_a_sandbox(tmp_path):
+    """The sandbox imports probes by name and sees only minillm: a probe written in a hidden test's file would
+    crash every notebook's sandbox, with the notebook blamed. It is refused when the file is loaded, and at the
+    call, before anything reaches the sandbox."""
+    from minillm.book.grading.grade import load_extra_tests
+    from minillm.book.grading.sandbox import ProbeError
+
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "probe_test.py").write_text(OWN_PROBE)
+    with pytest.raises(ValueError, match="passes its own function `count_calls` to call_probed"):
+        load_extra_tests(tmp_path / "hidden")
+
+    def local_probe(answer, config):  # noqa: ANN001, ANN202
+        return answer(config)
+
+    with Sandbox(_notebook(tmp_path / "n.ipynb", "x = 1"), isolate=False) as sandbox:
+        with pytest.raises(ProbeError, match="can only import module-level probes"):
+            sandbox.call("x", (1,), {}, (), time.monotonic() + 5, probe=local_probe, task="00.param_count")
+        assert sandbox.proc is None, "refused before a sandbox was started"

@@ -231,6 +231,25 @@ def find_notebooks(paths: list[str], book: Book | None = None) -> list[Submissio
     return found
 
 
+def probe_defined_in(file: Path) -> str | None:
+    """The name of a function defined in `file` that the file passes to `call_probed` as its probe, if any."""
+    import ast
+
+    try:
+        tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+    except (OSError, SyntaxError, ValueError):
+        return None  # loading the file reports it
+    defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and len(node.args) >= 2:
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            probe = node.args[1]
+            if name == "call_probed" and (isinstance(probe, ast.Lambda) or
+                                          isinstance(probe, ast.Name) and probe.id in defined):
+                return "lambda" if isinstance(probe, ast.Lambda) else probe.id
+    return None
+
+
 def load_extra_tests(folder: str | Path) -> int:
     """Import every .py file of `folder` (sorted); the tests they add are marked hidden. Returns how many."""
     from minillm.book.grading import registry
@@ -245,6 +264,12 @@ def load_extra_tests(folder: str | Path) -> int:
     get_task(next(iter(TASKS), "00.param_count"))  # load every chapter's tasks first
     before = {task_id: len(task.tests) for task_id, task in TASKS.items()}
     for file in files:
+        own_probe = probe_defined_in(file)
+        if own_probe:
+            raise ValueError(f"--extra-tests: {file} passes its own function `{own_probe}` to call_probed, but the "
+                             "sandbox imports probes by name and cannot see this folder, so every notebook's test "
+                             "would fail. Call the answer directly in the test, or use a probe from "
+                             "minillm.book.grading.tasks.")
         spec = importlib.util.spec_from_file_location(f"minillm_extra_tests.{file.stem}", file)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -18,8 +18,9 @@ modules import this, and `minillm.book.grading.check`, which runs the tests, imp
 to fill the registry.
 
 A test that must observe the reader's function from the inside (count the tokens it feeds the
-model, say) passes a *probe* to `call_probed`: a module-level function `probe(answer, *args)` that
-runs beside the answer, in the notebook's process when grading, and returns plain data.
+model, say) passes a *probe* to `call_probed`: a module-level function `probe(answer, *args)` of a task module
+(`minillm.book.grading.tasks`, which the sandbox imports it from by name; a hidden test's own file cannot hold one)
+that runs beside the answer, in the notebook's process when grading, and returns plain data.
 """
 
 from __future__ import annotations

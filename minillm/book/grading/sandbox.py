@@ -76,6 +76,7 @@ MAX_FILE_BYTES = 256 * 2**20
 DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted and the notebook goes on
 CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
 MAX_SKIPPED_CELLS = 3  # ...and the notebook re-run without it, at most this often
+PROBE_MODULES = ("minillm.book.grading.tasks.",)  # where the probes a sandbox can import live
 EXIT_GRACE_S = 5.0  # a process whose reply channel closed has this long (within the deadline) to end by itself
 SANDBOX_HOME = "/home/student"  # the notebook's writable folder, inside bubblewrap
 SANDBOX_UID = 65534  # "nobody"
@@ -382,6 +383,13 @@ class Sandbox:
         """
         from minillm.book.grading.registry import StudentError
 
+        probe_name = f"{probe.__module__}:{probe.__qualname__}" if probe is not None else None
+        if probe is not None and not (probe.__module__.startswith(PROBE_MODULES) and "<" not in probe.__qualname__):
+            # The sandbox imports a probe by name, and sees only minillm: a probe of a hidden test's own file
+            # would crash it in every notebook. This is the teacher's test to fix, not the student's code.
+            raise ProbeError(f"the test passes the probe {probe_name} to call_probed, but the sandbox can only "
+                             f"import module-level probes of {' or '.join(PROBE_MODULES)}; call the answer "
+                             "directly in the test, or use a probe from the book's task modules")
         if task != self._task:  # each task has its own restarts: one hung task does not zero the next
             self._task, self.restarts_left = task, self.restarts
         if self.proc is None or self.proc.poll() is not None:
@@ -391,7 +399,6 @@ class Sandbox:
                                    "run; make the function return within the test's time limit")
             self.restarts_left -= 1
             self.start()
-        probe_name = f"{probe.__module__}:{probe.__qualname__}" if probe is not None else None
         try:
             _send(self._req_w, {"kind": "call", "answer": answer, "args": args, "kwargs": kwargs,
                                 "forbid": list(forbid), "probe": probe_name, "task": task})
@@ -467,6 +474,10 @@ class Sandbox:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+class ProbeError(ValueError):
+    """A test's probe that the sandbox cannot import (`call_probed`): the test's fault, never the notebook's."""
 
 
 class RemoteAnswer:
