@@ -21,8 +21,9 @@ that speaks it work unchanged:
 
 LoRA adapters (chapter 08, `minillm serve --lora-modules name=path ...`, as vLLM's flag): a request whose
 `model` field names an adapter runs under it, beside requests of other adapters and of the base model in the
-same steps; an unknown name is a 404 naming the base model and the adapters; a bad adapter file stops the server
-at start-up with one line naming the problem.
+same steps; an unknown name is a 404 naming the base model and the adapters; a bad adapter file (one holding a NaN
+or an infinity too, or one named like the base model) stops the server at start-up with one line naming the
+problem; an adapter trained on another base model (its base_model_name_or_path) is served with a warning.
 
 Several completions per request (`n`, and `best_of` for the completions endpoint) come from one prefill
 forked into best_of sequences (see `minillm.engine`); streamed, choice i is sequence i.
@@ -715,6 +716,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
                         code="invalid_value").response()
 
     adapters: dict[str, str] = dict(getattr(engine, "lora_modules", {}))  # LoRA adapters by name (chapter 08)
+    check_adapter_names(engine, model_name)
 
     def check_model(name: str) -> str | None:
         """The LoRA adapter a request's model field names (None: the base model); a 404 naming what is served."""
@@ -842,6 +844,22 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
         return await run(body, prompt, http, chat=True)
 
     return app
+
+
+def check_adapter_names(engine: Any, model_name: str) -> None:
+    """Refuse (ValueError) a LoRA adapter named like the served model: a request naming it would get the base model,
+    so the adapter could never be reached. Warn when an adapter says it was trained on another base model
+    (adapter_config.json's base_model_name_or_path): names differ legitimately (a local folder, a renamed copy), so
+    it is served anyway, but a wrong base model gives fluent nonsense rather than an error."""
+    if model_name in getattr(engine, "lora_modules", {}):
+        raise ValueError(f"the LoRA adapter {model_name!r} has the served model's name, so no request could reach "
+                         "it (that name picks the base model): give the adapter another name in --lora-modules.")
+    slots = getattr(engine, "lora_slots", None)
+    for name, adapter in (slots.adapters.items() if slots is not None else ()):
+        base = adapter.base_model
+        if base and model_name not in (base, str(base).rstrip("/").split("/")[-1]):
+            log.warning("LoRA adapter %r was trained on %r (its base_model_name_or_path), and this server serves %r: "
+                        "if that is another model, its outputs will be nonsense.", name, base, model_name)
 
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:

@@ -18,6 +18,7 @@
 from minillm.lora.adapter import (
     TARGETS,
     LoRAAdapter,
+    check_finite,
     load_adapter,
     merge_adapter,
     save_adapter,
@@ -26,5 +27,5 @@ from minillm.lora.adapter import (
 )
 from minillm.lora.slots import LoRALinear, LoRASlots, attach_lora, detach_lora, lora_matmul
 
-__all__ = ["TARGETS", "LoRAAdapter", "LoRALinear", "LoRASlots", "attach_lora", "detach_lora", "load_adapter",
-           "lora_matmul", "merge_adapter", "save_adapter", "target_rows", "unmerge_adapter"]
+__all__ = ["TARGETS", "LoRAAdapter", "LoRALinear", "LoRASlots", "attach_lora", "check_finite", "detach_lora",
+           "load_adapter", "lora_matmul", "merge_adapter", "save_adapter", "target_rows", "unmerge_adapter"]

@@ -122,11 +122,30 @@ def _read_config(path: Path) -> dict:
         if unknown:
             raise _refuse(path, f"unknown target module(s) {unknown}",
                           f"minillm adapts the attention and MLP projections {list(TARGETS)}: retrain on those.")
-    if not isinstance(config.get("r"), int) or config["r"] < 1 or not isinstance(config.get("lora_alpha"),
-                                                                                 (int, float)):
-        raise _refuse(path, f"r={config.get('r')!r}, lora_alpha={config.get('lora_alpha')!r}",
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if (not isinstance(r, int) or isinstance(r, bool) or r < 1
+            or not isinstance(alpha, (int, float)) or isinstance(alpha, bool)):
+        raise _refuse(path, f"r={r!r}, lora_alpha={alpha!r}",
                       "the config needs a positive integer r and a number lora_alpha.")
+    if not math.isfinite(alpha):  # json.loads reads NaN and Infinity: every output would be NaN
+        raise _refuse(path, f"lora_alpha is {alpha!r}, not a finite number",
+                      "set lora_alpha in adapter_config.json to the value the adapter was trained with.")
     return config
+
+
+def check_finite(adapter: LoRAAdapter, name: str) -> None:
+    """Refuse (ValueError naming the tensor) an adapter holding a NaN or an infinity, or whose alpha is not finite:
+    its rows would sample from NaN logits. Checked when an adapter is loaded and when it is registered for serving."""
+    if not math.isfinite(adapter.alpha):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha is {adapter.alpha!r}, not a finite number; set it to the "
+                         "value the adapter was trained with.")
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        for half, tensor in (("A", a), ("B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} lora_{half} holds {bad} NaN or "
+                                 "infinite value(s); the training diverged or the file is corrupt: use a checkpoint "
+                                 "from before the divergence, or save the adapter again.")
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -144,7 +163,8 @@ def load_adapter(path: str | Path, config: ModelConfig) -> LoRAAdapter:
 
     Raises a ValueError that names the problem and what to do: a missing or corrupt file, a PEFT option minillm
     does not implement (DoRA, biases, modules_to_save, per-module ranks), an unknown target module, a rank that
-    differs from the config's `r`, or shapes of another model size (a layer it lacks, other widths).
+    differs from the config's `r`, shapes of another model size (a layer it lacks, other widths), or a NaN or an
+    infinity in a tensor or in lora_alpha (`check_finite`).
     Dropout is ignored (it only acts in training).
     """
     path = Path(path)
@@ -179,8 +199,10 @@ def load_adapter(path: str | Path, config: ModelConfig) -> LoRAAdapter:
                                 f"needs A ({rank}, {d_in}) and B ({out}, {rank})",
                           "this adapter was made for another model size: use one trained on this base model.")
         weights[layer, target] = (a, b)
-    return LoRAAdapter(rank, float(cfg["lora_alpha"]), weights, bool(cfg.get("use_rslora", False)),
-                       cfg.get("base_model_name_or_path"), cfg)
+    adapter = LoRAAdapter(rank, float(cfg["lora_alpha"]), weights, bool(cfg.get("use_rslora", False)),
+                          cfg.get("base_model_name_or_path"), cfg)
+    check_finite(adapter, str(path))
+    return adapter
 
 
 def save_adapter(adapter: LoRAAdapter, path: str | Path) -> Path:

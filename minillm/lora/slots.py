@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from minillm.kernels import add_lora_reference
-from minillm.lora.adapter import TARGETS, LoRAAdapter, target_rows
+from minillm.lora.adapter import TARGETS, LoRAAdapter, check_finite, target_rows
 from minillm.model import Transformer, _triton_kernels_run
 
 MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # what LoRALinear wraps
@@ -96,7 +96,29 @@ class LoRASlots:
         if adapter.rank > self.max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, more than the slots' max_rank "
                              f"{self.max_rank}: raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.")
+        self._check_fits(name, adapter)
         self.adapters[name] = adapter
+
+    def _check_fits(self, name: str, adapter: LoRAAdapter) -> None:
+        """Refuse (ValueError) an adapter the slots cannot hold or that would make its rows' logits NaN: a layer or
+        shape of another model, a NaN or infinity in its weights or alpha, or a value that overflows the slots'
+        dtype once scaled (1e30 is finite in fp32, infinite in bf16). `load_adapter` checked a folder's already;
+        this covers a `LoRAAdapter` built in memory too, before any request can reach it."""
+        check_finite(adapter, name)
+        dtype = next(iter(self.lora_b.values())).dtype
+        for (layer, target), (a, b) in adapter.weights.items():
+            if layer >= self.config.n_layers or target not in self.rows_of:
+                raise ValueError(f"LoRA adapter {name!r} has layer {layer} {target}, which this model (of "
+                                 f"{self.config.n_layers} layers) lacks: use an adapter trained on this base model.")
+            _, _, out, d_in = self.rows_of[target]
+            if tuple(a.shape) != (adapter.rank, d_in) or tuple(b.shape) != (out, adapter.rank):
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B "
+                                 f"{tuple(b.shape)}, this model needs A ({adapter.rank}, {d_in}) and B ({out}, "
+                                 f"{adapter.rank}): use an adapter trained on this base model.")
+            if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite((b * adapter.scale).to(dtype)).all()):
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} overflows {dtype} once scaled by "
+                                 f"{adapter.scale:g}: serve the model in float32 (--dtype float32), or use an adapter "
+                                 "with smaller weights.")
 
     def slot(self, name: str | None) -> int:
         """The slot `name` occupies (-1 for None, the base model); it must be resident (`acquire`)."""

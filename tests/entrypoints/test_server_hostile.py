@@ -1,0 +1,93 @@
+"""A server no tenant can stall or poison (issue 55): what one client sends must not hurt another.
+
+Each test here failed before its fix: an adapter of NaN weights was served (its rows sampled NaN logits, and the
+batch's shared draw failed every request beside them), an adapter named like the base model was unreachable, and
+the small items below gave a 500, an obscure error or a silent "first one wins".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import minillm
+from minillm.engine import LLMEngine
+from minillm.lora import LoRAAdapter, load_adapter, save_adapter, target_rows
+
+pytest.importorskip("fastapi", reason="the server needs FastAPI")
+
+MODEL = "shakespeare-1m"
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return minillm.load(MODEL)
+
+
+def small_adapter(config, base_model: str | None = MODEL, rank: int = 2) -> LoRAAdapter:
+    """A random rank-2 adapter on q_proj of every layer."""
+    torch.manual_seed(0)
+    rows = target_rows(config)["q_proj"]
+    weights = {(layer, "q_proj"): (0.01 * torch.randn(rank, rows[3]), 0.01 * torch.randn(rows[2], rank))
+               for layer in range(config.n_layers)}
+    return LoRAAdapter(rank, 2.0 * rank, weights, base_model=base_model)
+
+
+# ---------------------------------------------------------------------- 1. LoRA adapters that would poison a batch
+def test_an_adapter_with_a_nan_weight_is_refused_at_load_naming_the_tensor(model_and_tokenizer, tmp_path):
+    config = model_and_tokenizer[0].config
+    adapter = small_adapter(config)
+    adapter.weights[1, "q_proj"][1][3, 0] = float("nan")  # one value of layer 1's B
+    folder = save_adapter(adapter, tmp_path / "nan")
+    with pytest.raises(ValueError, match=r"layer 1 q_proj lora_B holds 1 NaN or infinite"):
+        load_adapter(folder, config)
+
+
+def test_an_adapter_with_a_non_finite_alpha_is_refused_at_load(model_and_tokenizer, tmp_path):
+    config = model_and_tokenizer[0].config
+    folder = save_adapter(small_adapter(config), tmp_path / "alpha")
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": float("inf")}))  # writes Infinity
+    with pytest.raises(ValueError, match=r"lora_alpha is inf, not a finite number"):
+        load_adapter(folder, config)
+
+
+def test_an_adapter_built_in_memory_is_checked_when_it_is_registered(model_and_tokenizer):
+    """add_lora takes a LoRAAdapter object without load_adapter's checks: registering it checks it too."""
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, max_num_seqs=2)
+    bad = small_adapter(model.config)
+    bad.weights[0, "q_proj"][0][0, 0] = float("-inf")
+    with pytest.raises(ValueError, match=r"'infinite': layer 0 q_proj lora_A holds 1 NaN or infinite"):
+        engine.add_lora("infinite", bad)
+    wrong = small_adapter(model.config)
+    a, b = wrong.weights[0, "q_proj"]
+    wrong.weights[0, "q_proj"] = (a[:, :-1], b)  # one input column short: another model's width
+    with pytest.raises(ValueError, match=r"'narrow': layer 0 q_proj has A .* this model needs A"):
+        engine.add_lora("narrow", wrong)
+    assert "infinite" not in engine.lora_modules and "narrow" not in engine.lora_modules
+
+
+def test_an_adapter_named_like_the_served_model_is_refused(model_and_tokenizer):
+    from minillm.entrypoints.server import create_app
+
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, max_num_seqs=2, lora_modules={MODEL: small_adapter(model.config)})
+    with pytest.raises(ValueError, match=r"has the served model's name, so no request could reach it"):
+        create_app(engine, MODEL)
+
+
+def test_an_adapter_of_another_base_model_is_served_with_a_warning(model_and_tokenizer, caplog):
+    from minillm.entrypoints.server import create_app
+
+    model, tokenizer = model_and_tokenizer
+    adapters = {"same": small_adapter(model.config, base_model=f"/models/{MODEL}/"),
+                "other": small_adapter(model.config, base_model="meta-llama/Llama-3.2-1B")}
+    engine = LLMEngine(model, tokenizer, max_num_seqs=2, lora_modules=adapters)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        create_app(engine, MODEL)
+    warned = [r.getMessage() for r in caplog.records if "base_model_name_or_path" in r.getMessage()]
+    assert len(warned) == 1 and "'other'" in warned[0] and "Llama-3.2-1B" in warned[0], warned
