@@ -212,7 +212,11 @@ def test_the_teachers_workflow(tmp_path, needs_bwrap, capsys):
     assert rows[0] == ",".join(["student", "00.param_count", "00.rms_norm", "00.rotary", "00 total", *ch01.tasks,
                                 "01 total", "total", "max", "to review"])
     ann_max = 2 + 2 + 6 + sum(ch01.points.values())
-    assert rows[1].startswith("ann,0.0,0.0,6.0,6.0,") and rows[1].endswith(f",{ann_max},0")
+    # ann's chapter 01 is the book's solution notebook: its beam_step is the reference's code, so it is flagged
+    assert rows[1].startswith("ann,0.0,0.0,6.0,6.0,") and rows[1].endswith(f",{ann_max},1")
+    beam = next(t for g in json.loads(out["grades.json"].read_text()) if g["student"] == "ann"
+                for t in g["tasks"] if t["id"] == "01.beam_step")
+    assert "the same code as minillm.decoding.beam.beam_step" in " ".join(beam["review"]), beam["review"]
     assert rows[2].startswith("ben,0.0,1.5,6.0,7.5," + "," * len(ch01.tasks) + ",7.5,")  # no chapter 01 from ben
 
     canvas = out["canvas.csv"].read_text().splitlines()

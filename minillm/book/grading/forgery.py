@@ -289,3 +289,73 @@ def forbidden_use(src: NotebookSource, expression: str, forbidden: tuple[str, ..
         if obj is not None and key in targets:
             return f"it uses {dotted} ({targets[key]}), which already does the task"
     return None
+
+
+# ---- copies: an answer that is the reference with its names changed ------------------------------
+
+COPY_SIMILARITY = 0.9  # at or above this share of the reference's normalised code, an answer is flagged
+COPY_MIN_TOKENS = 200  # ...if the reference is this long: a one-line formula is written alike by everyone
+
+
+def normalised(function: ast.AST) -> list[str]:
+    """A function's code with what a copier changes for free set aside, as a list of tokens: docstrings
+    dropped, the function's own name and every parameter and local renamed by order of first appearance
+    (`v0`, `v1`, ...). Globals, attributes, constants and the structure stay: they are what the code does."""
+    function = ast.parse(ast.unparse(function)).body[0]  # a copy, its line numbers gone
+    local = _local_names(function)
+    for node in ast.walk(function):  # nested functions' locals too
+        local |= _local_names(node)
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}")
+
+    for node in ast.walk(function):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            node.name = rename(node.name)
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                   str):
+                node.body = body[1:] or [ast.Pass()]
+        if isinstance(node, ast.arg):
+            node.arg, node.annotation = rename(node.arg), None
+        elif isinstance(node, ast.Name) and node.id in local:
+            node.id = rename(node.id)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+    return ast.dump(function, annotate_fields=False, include_attributes=False).replace("(", " ( ").split()
+
+
+def similarity(a: list[str], b: list[str]) -> float:
+    """The share of two token lists that matches (difflib's ratio: 1.0 for the same code)."""
+    import difflib
+
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def copied_from(src: NotebookSource, expression: str, forbidden: tuple[str, ...]) -> tuple[str, float] | None:
+    """(the forbidden function, the similarity) when the answer's `def` is that function's code with names and
+    docstrings changed (similarity >= COPY_SIMILARITY), else None. A review flag for the teacher, never a score:
+    two honest answers to a small task can look alike, so references shorter than COPY_MIN_TOKENS are not
+    compared at all."""
+    import inspect
+    import textwrap
+
+    answers = [n for n in src.bindings.get(expression, []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not answers:
+        return None
+    mine = normalised(answers[-1])
+    best: tuple[str, float] | None = None
+    for name, fn in forbidden_callables(forbidden):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+        except (OSError, TypeError, SyntaxError):
+            continue  # a builtin, or no source to compare
+        defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        theirs = normalised(defs[0]) if defs else []
+        if len(theirs) >= COPY_MIN_TOKENS:
+            score = similarity(mine, theirs)
+            if score >= COPY_SIMILARITY and (best is None or score > best[1]):
+                best = (name, score)
+    return best

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from minillm.book import Book, Chapter, load_book
 from minillm.book.grading.check import get_task, run_task
-from minillm.book.grading.forgery import NotebookSource, defines, forbidden_use, read_source
+from minillm.book.grading.forgery import NotebookSource, copied_from, defines, forbidden_use, read_source
 from minillm.book.grading.gradebook import (
     NotebookGrade,
     TaskGrade,
@@ -178,6 +178,9 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
     if misuse:
         return TaskGrade(task_id, points, 0.0, f"no credit: `{expression}` is not your own code: {misuse}. "
                                                "Write it yourself.")
+    copy = copied_from(src, expression, task.forbidden)
+    review = [f"`{expression}` is {copy[1]:.0%} the same code as {copy[0]} once names and docstrings are set "
+              "aside: is it a copy?"] if copy else []
     answer = RemoteAnswer(sandbox, expression, task.forbidden, task=task_id)
     result = run_task(task_id, answer)
     hidden = {t.name for t in task.tests if t.hidden}
@@ -185,7 +188,7 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
     if answer.forbidden_calls:
         called = ", ".join(sorted(answer.forbidden_calls))
         return TaskGrade(task_id, points, 0.0, f"no credit: while it was tested, `{expression}` called {called}, "
-                                               "which already does the task. Write it yourself.", tests)
+                                               "which already does the task. Write it yourself.", tests, review)
     score = points * result.n_passed / len(result.results) if result.results else 0.0
     if result.passed:
         reason = f"all {len(tests)} tests passed"
@@ -195,7 +198,7 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
         reason = f"{len(tests) - result.n_passed} of {len(tests)} tests failed; first: {what}"
         if "NameError" in first.message and cell_errors:
             reason += f" (the notebook had errors: {cell_errors[0]})"
-    return TaskGrade(task_id, points, score, reason, tests)
+    return TaskGrade(task_id, points, score, reason, tests, review)
 
 
 # ---- many notebooks -----------------------------------------------------------------------------

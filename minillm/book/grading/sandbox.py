@@ -675,10 +675,14 @@ def _count_own_processes() -> int:
 
 
 def code_fingerprint(code: Any) -> tuple:
-    """What a code object *does*, without its name, file or line numbers: a copy of a function's source
-    exec'd under another name has the same fingerprint as the original."""
-    consts = tuple(code_fingerprint(c) if inspect.iscode(c) else (type(c).__name__, repr(c)) for c in code.co_consts)
-    return code.co_code, consts, code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount
+    """What a code object *does*, without its name, file, line numbers, docstring or the names of its locals: a
+    copy of a function's source exec'd under another name, its locals renamed and its docstring dropped, has the
+    same fingerprint as the original. (Locals are read by number in the bytecode, so only their count is kept;
+    a function's first constant is its docstring, or None without one: either is read as "no docstring".)"""
+    first = code.co_consts[:1]
+    rest = code.co_consts[1:] if first and (first[0] is None or isinstance(first[0], str)) else code.co_consts
+    consts = tuple(code_fingerprint(c) if inspect.iscode(c) else (type(c).__name__, repr(c)) for c in rest)
+    return code.co_code, consts, code.co_names, len(code.co_varnames), code.co_argcount, code.co_kwonlyargcount
 
 
 def _watch_list(forbid: list[str]) -> tuple[dict[tuple, str], dict[int, str]]:
