@@ -35,6 +35,17 @@ KV_HELP = ("what the KV cache stores (chapter 06): auto (the model's dtype), or 
            "and head, about half the bytes (default: auto)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse prints the message and exits with status 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give a positive one, like 10.") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive (1 or more), got {value}: give how many to keep, like 10.")
+    return value
+
+
 def model_name(args: argparse.Namespace) -> str:
     """--model, or the shipped model when it is not given; a clear error when this install ships none."""
     if args.model:
@@ -286,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every /v1/ route (default: $MINILLM_API_KEY, else "
-                          "none); /health stays open")
+                          "none), and on /docs, /redoc and /openapi.json; /health stays open")
     srv.add_argument("--metrics-require-api-key", action="store_true", help="/metrics asks for the API key too")
     srv.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -356,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "channel (int4 without groups)")
     ev.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help=KV_HELP + " (used by the exact-match tasks, which generate through the engine)")
-    ev.add_argument("--limit", type=int, default=None,
+    ev.add_argument("--limit", type=positive_int, default=None,
                     help="the first N documents of each task (perplexity, agreement: N windows; default 64)")
     ev.add_argument("--out", help="write the results as JSON to this file")
     ev.add_argument("--baseline", help="a results file from an earlier run: exit 1 if a metric got worse than its "

@@ -57,8 +57,12 @@ KV blocks are freed.
 With an API key (`minillm serve --api-key KEY`, or the MINILLM_API_KEY environment variable, as vLLM's
 --api-key and VLLM_API_KEY), every /v1/ route asks for it the way OpenAI clients send it,
 `Authorization: Bearer KEY`, compared in constant time (`hmac.compare_digest`: how long a wrong key takes
-to refuse says nothing about how much of it was right); /health stays open, and /metrics asks for the key
-only with --metrics-require-api-key. `build_engine` turns the command's engine flags into an `LLMEngine`.
+to refuse says nothing about how much of it was right); a request with several Authorization headers is refused
+(a 401), whichever of them holds the key. The API's description (/docs, /redoc, /openapi.json) asks for the key too,
+since it lists what is served (a browser cannot send the header, so read /openapi.json with curl -H there); /health
+stays open, and /metrics asks for the key only with --metrics-require-api-key. Strings must be whole characters:
+a lone UTF-16 surrogate ("\\ud800", which JSON can spell) is a 400 naming the field, and token ids are strict
+integers (true is not 1). `build_engine` turns the command's engine flags into an `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ try:
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, Field, StrictInt, model_validator
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("minillm.entrypoints.server needs FastAPI and uvicorn: "
@@ -121,6 +125,29 @@ def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
 
 MAX_N = 16  # the most completions (n, best_of) one request may ask for
 
+
+def lone_surrogate(body: Any) -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate ("\\ud800" alone), as a dotted path
+    ("messages.0.content"), or None. JSON may spell one; Python's json.loads accepts it; but it is no character,
+    so no UTF-8 encoder (the tokenizer's, the response's) can take it. Walked with a stack, not recursion: a
+    body may nest as deep as the parser allows."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else str(k), k) for k in value]  # a key may hold one too
+            stack += [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
+    return None
+
+
 # ---------------------------------------------------------------------- request bodies
 class _Sampling(BaseModel):
     """The sampling fields both endpoints take (OpenAI's names; top_k, min_p, repetition_penalty and
@@ -147,6 +174,16 @@ class _Sampling(BaseModel):
     # constrained to the schema (chapter 01); {"type": "json_object"}: to a JSON object (nested at most
     # JSON_OBJECT_DEPTH deep: a regex cannot nest freely).
     response_format: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def whole_characters(cls, data: Any) -> Any:
+        """Refuse a body whose strings hold a lone surrogate (`lone_surrogate`), before any field reads it."""
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (like \\ud800 without its pair), which is not a "
+                             "character: send whole characters (an emoji as its pair, \\ud83d\\ude00, or as UTF-8)")
+        return data
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs for this request: how many alternatives per token, None for no logprobs."""
@@ -187,7 +224,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # strict: true and false are ints to Python, and no token ids
     logprobs: int | None = Field(default=None, ge=0, le=20, description="log-probabilities of the chosen token "
                                  "and of this many alternatives per token")
     echo: bool = False  # the prompt before the completion, in the response's text
@@ -694,11 +731,15 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
-        protected = ("/v1/", "/metrics") if metrics_require_api_key else ("/v1/",)
+        # The API's own description (/docs, /redoc, /openapi.json) asks for the key too: it lists what is served.
+        protected = ("/v1/", "/docs", "/redoc", "/openapi.json") + (("/metrics",) if metrics_require_api_key else ())
 
         @app.middleware("http")
         async def require_api_key(http: Request, call_next: Any) -> Any:
             if http.url.path.startswith(protected):
+                if len(http.headers.getlist("authorization")) > 1:  # which one would count? neither
+                    return APIError(401, "the request has several Authorization headers: send exactly one, "
+                                         "'Authorization: Bearer KEY'.", code="invalid_api_key").response()
                 sent = http.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(sent, expected):  # constant time: no timing hint about the key
                     why = "a wrong API key" if sent else "no API key"

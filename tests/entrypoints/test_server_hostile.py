@@ -91,3 +91,105 @@ def test_an_adapter_of_another_base_model_is_served_with_a_warning(model_and_tok
         create_app(engine, MODEL)
     warned = [r.getMessage() for r in caplog.records if "base_model_name_or_path" in r.getMessage()]
     assert len(warned) == 1 and "'other'" in warned[0] and "Llama-3.2-1B" in warned[0], warned
+
+
+# ---------------------------------------------------------------------- a served app, with an API key
+KEY = "sesame"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(model_and_tokenizer):
+    from types import SimpleNamespace
+
+    from conftest import served_in_thread
+
+    from minillm.entrypoints.server import create_app
+
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=128)
+    app = create_app(engine, MODEL, max_queue=32, api_key=KEY)
+    with served_in_thread(app, log_level="critical") as url:
+        yield SimpleNamespace(url=url, engine=engine, state=app.state.engine)
+
+
+def post(server, body: dict, endpoint: str = "completions", **kwargs):
+    import httpx
+
+    headers = [*kwargs.pop("headers", AUTH.items()), ("content-type", "application/json")]
+    # json.dumps writes "\ud800" as its escape, as any client may (httpx's json= would refuse to encode it)
+    return httpx.post(f"{server.url}/v1/{endpoint}", content=json.dumps(body), headers=headers, timeout=60, **kwargs)
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, response.text[:500]
+    return error
+
+
+def assert_still_serving(server) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.time() + 20
+    while server.engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert not server.engine.has_unfinished_requests() and server.engine.cache.allocator.num_used_blocks == 0
+    done = post(server, {"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 3, "temperature": 0})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3, done.text
+
+
+# ---------------------------------------------------------------------- 2. small items
+@pytest.mark.parametrize("endpoint, body, where", [
+    ("completions", {"prompt": "ROMEO \ud800"}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "A"}, {"role": "user", "content": "\udfff x"}]},
+     "messages.1.content"),
+    ("completions", {"prompt": "A", "stop": ["\ud83d"]}, "stop.0"),
+    ("completions", {"prompt": "A", "model": "\ud800"}, "model"),  # it would be echoed in the 404's message
+])
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(server, endpoint, body, where):
+    error = error_of(post(server, {"model": MODEL, "max_tokens": 2, **body}, endpoint), 400)
+    assert f"{where} holds a lone UTF-16 surrogate" in error["message"] and "whole characters" in error["message"]
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, False, 2]])
+def test_booleans_are_not_token_ids(server, prompt):
+    error = error_of(post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 2}), 400)
+    assert "prompt" in error["message"], error
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("keys", [(KEY, "wrong"), ("wrong", KEY), (KEY, KEY)])
+def test_two_authorization_headers_are_refused_whichever_comes_first(server, keys):
+    headers = [("authorization", f"Bearer {k}") for k in keys]
+    error = error_of(post(server, {"model": MODEL, "prompt": "A", "max_tokens": 2}, headers=headers), 401)
+    assert "several Authorization headers" in error["message"] and "exactly one" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_api_description_asks_for_the_key(server, path):
+    import httpx
+
+    assert "no API key" in error_of(httpx.get(server.url + path), 401)["message"]
+    assert httpx.get(server.url + path, headers=AUTH).status_code == 200
+
+
+def test_eval_limit_must_be_positive(capsys):
+    from minillm.cli import main
+
+    for bad in ("-1", "0"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["eval", "--limit", bad])
+        assert exit_.value.code == 2
+        assert "--limit: must be positive" in capsys.readouterr().err
+
+
+def test_regex_dfa_asks_for_a_pattern_string():
+    from minillm.sampler.constrained import RegexDFA
+
+    with pytest.raises(TypeError, match=r"a regular expression is a pattern string.*not int 5"):
+        RegexDFA(5)

@@ -158,6 +158,9 @@ class RegexParser:
     """
 
     def __init__(self, pattern: str) -> None:
+        if not isinstance(pattern, str):
+            raise TypeError(f"a regular expression is a pattern string, like r'-?\\d+', not "
+                            f"{type(pattern).__name__} {pattern!r}: pass the pattern as a str.")
         self.pattern = pattern
         self.pos = 0
         self.depth = 0  # groups open at pos
