@@ -79,3 +79,44 @@ def test_a_hidden_tests_own_probe_is_refused_at_load_and_never_sent_to_a_sandbox
         with pytest.raises(ProbeError, match="can only import module-level probes"):
             sandbox.call("x", (1,), {}, (), time.monotonic() + 5, probe=local_probe, task="00.param_count")
         assert sandbox.proc is None, "refused before a sandbox was started"
+
+
+REMEMBERS_INPUTS = """seen = []
+def count_params(config):
+    seen.append(str(config)[:60])
+    raise ValueError("inputs so far: " + " | ".join(seen))
+def rms_norm(x, weight, eps=1e-5):
+    raise ValueError("inputs so far: " + " | ".join(seen))
+"""
+
+HIDDEN_INPUT = """from minillm.book.grading import get_task
+
+@get_task("00.param_count").test("a secret config")
+def _(fn):
+    fn("HIDDEN-INPUT-MARKER")
+"""
+
+
+def test_hidden_tests_run_after_every_public_test_in_a_fresh_process(tmp_path):
+    """A notebook that remembers every input it is given and repeats them in its errors: the hidden test's
+    input must not reach any public test's message (which the student's feedback shows)."""
+    from minillm.book.grading import get_task
+    from minillm.book.grading.grade import grade_notebook, load_extra_tests
+    from minillm.book.grading.gradebook import feedback_text
+    from minillm.book.grading.registry import TASKS
+
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "secret.py").write_text(HIDDEN_INPUT)
+    n_tests = len(get_task("00.param_count").tests)
+    path = _notebook(tmp_path / "notebook.ipynb", REMEMBERS_INPUTS)
+    try:
+        load_extra_tests(tmp_path / "hidden")
+        grade = grade_notebook(path, chapter_id="00", isolate=False, timeout_s=120, student="eve")
+    finally:
+        del TASKS["00.param_count"].tests[n_tests:]
+    tests = [t for task in grade.tasks for t in task.tests]
+    public = [t for t in tests if not t.hidden]
+    assert any(t.hidden and not t.passed for t in tests), "the hidden test ran"
+    assert public and not any("HIDDEN-INPUT-MARKER" in t.message for t in public), [t.message for t in public]
+    assert "HIDDEN-INPUT-MARKER" not in feedback_text("eve", [grade])
+    assert grade.tasks[0].tests[-1].hidden, "a task's hidden tests come after its public ones"

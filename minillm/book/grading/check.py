@@ -132,15 +132,18 @@ def _run_with_time_limit(fn: Callable[[], None], seconds: float) -> None:
         raise outcome[0]
 
 
-def run_task(task_id: str, answer: Any) -> TaskResult:
+def run_task(task_id: str, answer: Any, hidden: bool | None = None) -> TaskResult:
     """Run every test of `task_id` on `answer`; never raises for a wrong or broken answer.
 
     `answer` is the reader's object, or the grader's stand-in for one that lives in its sandbox
-    (which keeps its own time: it has a `set_deadline` method).
+    (which keeps its own time: it has a `set_deadline` method). `hidden`: None runs every test, False only
+    the public ones, True only an instructor's hidden ones (`minillm grade` runs those apart, later).
     """
     task = get_task(task_id)
     results = []
     for t in task.tests:
+        if hidden is not None and t.hidden != hidden:
+            continue
         try:
             if hasattr(answer, "set_deadline"):
                 answer.set_deadline(t.time_limit_s)

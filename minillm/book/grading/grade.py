@@ -17,8 +17,10 @@ For each notebook:
 
 Points per task come from `book.yml` (`points:`), or `--points TASK=P` / `--points-file FILE`; a task
 scores its points × the share of its tests that pass. An instructor's hidden tests (`--extra-tests
-DIR`: Python files that add tests to tasks with `get_task(id).test(name)`) count like the others; a
-student's feedback names them and says pass or fail, nothing more.
+DIR`: Python files that add tests to tasks with `get_task(id).test(name)`) count like the others. They run
+after every public test of the chapter, in a fresh sandbox process (the notebook run again), so that nothing
+their inputs leave behind reaches a public test's message; a student's feedback names them and says pass or
+fail, nothing more.
 
     minillm grade submissions/ -j 4 --csv grades.csv --json grades.json --feedback feedback/
     minillm grade submissions/dave/ --update grades.json --csv grades.csv   # re-grade one student
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from minillm.book import Book, Chapter, load_book
-from minillm.book.grading.check import get_task, run_task
+from minillm.book.grading.check import TestResult, get_task, run_task
 from minillm.book.grading.forgery import NotebookSource, copied_from, defines, forbidden_use, read_source
 from minillm.book.grading.gradebook import (
     NotebookGrade,
@@ -133,9 +135,23 @@ def grade_notebook(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, chapt
             _add_review_flags(failed, src, sandbox.flags)
             return failed
         grade.notes += sandbox.cell_errors
-        for task_id in chapter.tasks:
+        by_id = {}
+        for task_id in chapter.tasks:  # every task's public tests first, then (below) the hidden ones
             task_points = (points or {}).get(task_id, chapter.points[task_id])
-            grade.tasks.append(grade_task(task_id, task_points, src, sandbox, sandbox.cell_errors))
+            by_id[task_id] = grade_task(task_id, task_points, src, sandbox, sandbox.cell_errors, hidden=False)
+        with_hidden = [t for t in chapter.tasks if by_id[t].tests and any(x.hidden for x in get_task(t).tests)]
+        if with_hidden:
+            # In a fresh process (the notebook run again): nothing a hidden test's input leaves behind can reach
+            # a public test's message, and so the student's feedback, nor the other way round.
+            try:
+                sandbox.start()
+                started = None
+            except SandboxError as exc:
+                started = f"not run: the notebook could not be run again for them ({exc})"
+            for task_id in with_hidden:
+                by_id[task_id] = grade_task(task_id, by_id[task_id].points, src, sandbox, sandbox.cell_errors,
+                                            hidden=True, before=by_id[task_id], failed=started)
+        grade.tasks += by_id.values()
     _add_review_flags(grade, src, sandbox.flags)  # after close: every flag the sandbox wrote has been read
     return grade
 
@@ -163,9 +179,11 @@ def _all_failed(grade: NotebookGrade, chapter: Chapter | None, reason: str,
     return grade
 
 
-def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbox,
-               cell_errors: list[str]) -> TaskGrade:
-    """One task: the source check, then every test run here on the answer that lives in the sandbox."""
+def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbox, cell_errors: list[str],
+               hidden: bool | None = None, before: TaskGrade | None = None, failed: str | None = None) -> TaskGrade:
+    """One task: the source check, then its tests (`run_task`'s `hidden`: None all of them) run here on the answer
+    that lives in the sandbox. `before`: this task's grade from its public tests, which the hidden tests' results
+    join (scored together); `failed`: why the hidden tests could not run (each then fails with it)."""
     task = get_task(task_id)
     expression = src.checked.get(task_id, task.answer_name)
     if not defines(src, expression):
@@ -182,20 +200,28 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
     review = [f"`{expression}` is {copy[1]:.0%} the same code as {copy[0]} once names and docstrings are set "
               "aside: is it a copy?"] if copy else []
     answer = RemoteAnswer(sandbox, expression, task.forbidden, task=task_id)
-    result = run_task(task_id, answer)
-    hidden = {t.name for t in task.tests if t.hidden}
-    tests = [TestGrade(r.name, r.passed, r.message, r.hint, r.name in hidden) for r in result.results]
+    if failed is not None:
+        results = [TestResult(t.name, False, failed) for t in task.tests if t.hidden == hidden]
+    else:
+        results = run_task(task_id, answer, hidden).results
+    secret = {t.name for t in task.tests if t.hidden}
+    tests = [TestGrade(r.name, r.passed, r.message, r.hint, r.name in secret) for r in results]
+    if before is not None:
+        tests, review = before.tests + tests, before.review
+        if before.reason.startswith("no credit"):  # the public tests caught it: no credit stays
+            return TaskGrade(task_id, points, 0.0, before.reason, tests, review)
     if answer.forbidden_calls:
         called = ", ".join(sorted(answer.forbidden_calls))
         return TaskGrade(task_id, points, 0.0, f"no credit: while it was tested, `{expression}` called {called}, "
                                                "which already does the task. Write it yourself.", tests, review)
-    score = points * result.n_passed / len(result.results) if result.results else 0.0
-    if result.passed:
+    n_passed = sum(t.passed for t in tests)
+    score = points * n_passed / len(tests) if tests else 0.0
+    if n_passed == len(tests):
         reason = f"all {len(tests)} tests passed"
     else:
         first = next(t for t in tests if not t.passed)
         what = f"(hidden) {first.name}" if first.hidden else f"{first.name}: {first.message}"
-        reason = f"{len(tests) - result.n_passed} of {len(tests)} tests failed; first: {what}"
+        reason = f"{len(tests) - n_passed} of {len(tests)} tests failed; first: {what}"
         if "NameError" in first.message and cell_errors:
             reason += f" (the notebook had errors: {cell_errors[0]})"
     return TaskGrade(task_id, points, score, reason, tests, review)
