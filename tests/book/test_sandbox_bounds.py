@@ -120,3 +120,27 @@ def test_hidden_tests_run_after_every_public_test_in_a_fresh_process(tmp_path):
     assert public and not any("HIDDEN-INPUT-MARKER" in t.message for t in public), [t.message for t in public]
     assert "HIDDEN-INPUT-MARKER" not in feedback_text("eve", [grade])
     assert grade.tasks[0].tests[-1].hidden, "a task's hidden tests come after its public ones"
+
+
+SILENCES_THE_FLAGS = """import os, sys
+def honest(x):
+    return x + 1
+def silencer(x):
+    os.close(int(sys.argv[3]))  # the flag pipe (the sandbox's third argument): no flag could reach the grader
+    return x + 1
+"""
+
+
+def test_a_silenced_flag_channel_is_itself_a_flag():
+    """Each call carries a nonce that the flag pipe must echo when the call ends; an honest call is acknowledged,
+    and one after which the pipe went quiet gets a review flag on its task."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = _notebook(Path(folder) / "n.ipynb", SILENCES_THE_FLAGS)
+        with Sandbox(path, timeout_s=120, isolate=False) as sandbox:
+            sandbox.start()
+            assert sandbox.call("honest", (1,), {}, (), time.monotonic() + 30, task="00.rms_norm")[0] == 2
+            assert not sandbox.flags, sandbox.flags
+            assert sandbox.call("silencer", (1,), {}, (), time.monotonic() + 30, task="00.rotary")[0] == 2
+            assert [f["task"] for f in sandbox.flags if "did not acknowledge" in f["flag"]] == ["00.rotary"]

@@ -53,6 +53,7 @@ import inspect
 import io
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -77,6 +78,7 @@ DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted a
 CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
 MAX_SKIPPED_CELLS = 3  # ...and the notebook re-run without it, at most this often
 PROBE_MODULES = ("minillm.book.grading.tasks.",)  # where the probes a sandbox can import live
+ACK_WAIT_S = 2.0  # how long the grader waits for a call's acknowledgement on the flag pipe, after its reply
 EXIT_GRACE_S = 5.0  # a process whose reply channel closed has this long (within the deadline) to end by itself
 SANDBOX_HOME = "/home/student"  # the notebook's writable folder, inside bubblewrap
 SANDBOX_UID = 65534  # "nobody"
@@ -280,6 +282,8 @@ class Sandbox:
         self._log: collections.deque[bytes] = collections.deque()
         self._log_size = 0
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._acks: set[str] = set()  # the calls whose end the flag pipe acknowledged (their nonces)
+        self._acked = threading.Condition()
 
     def __enter__(self) -> Sandbox:
         return self
@@ -365,6 +369,11 @@ class Sandbox:
             for line in stream:
                 try:
                     flag = json.loads(line)
+                    if isinstance(flag, dict) and set(flag) == {"ack"}:
+                        with self._acked:
+                            self._acks.add(str(flag["ack"]))
+                            self._acked.notify_all()
+                        continue
                     flag = {"flag": str(flag["flag"])[:300], "task": flag.get("task") and str(flag["task"])}
                 except (ValueError, KeyError, TypeError):
                     flag = {"flag": "the sandbox's flag channel carried something else (was it written to?)",
@@ -399,12 +408,21 @@ class Sandbox:
                                    "run; make the function return within the test's time limit")
             self.restarts_left -= 1
             self.start()
+        nonce = secrets.token_hex(8)  # the flag pipe must acknowledge this call by it: silence is a flag
         try:
             _send(self._req_w, {"kind": "call", "answer": answer, "args": args, "kwargs": kwargs,
-                                "forbid": list(forbid), "probe": probe_name, "task": task})
+                                "forbid": list(forbid), "probe": probe_name, "task": task, "nonce": nonce})
         except OSError as exc:
             raise SandboxError(f"the notebook's process stopped listening ({exc})") from None
         reply = self._reply(deadline, what="the call ran past the test's time limit")
+        with self._acked:  # written before the reply: a short wait covers the reader thread's delay
+            self._acked.wait_for(lambda: nonce in self._acks, timeout=ACK_WAIT_S)
+            acked = nonce in self._acks
+        if not acked:
+            flag = {"flag": "the sandbox's flag channel did not acknowledge a call (was it closed or replaced?), so "
+                            "flags raised during the tests may be missing", "task": task}
+            if flag not in self.flags:
+                self.flags.append(flag)
         forbidden = [str(f) for f in reply.get("forbidden", [])]
         if reply["kind"] == "error":
             error = StudentError(str(reply["message"]))
@@ -561,6 +579,16 @@ def raise_flag(reason: str) -> None:
         os.write(_flag_state["fd"], line.encode())
     except OSError:
         pass
+
+
+def _acknowledge(nonce: str | None) -> None:
+    """Tell the grader, on the flag pipe, that a call is done: its nonce. A pipe that carries no acknowledgement
+    (closed, or replaced by the notebook) is itself a flag on the grader's side."""
+    if nonce is not None and _flag_state["fd"] is not None:
+        try:
+            os.write(_flag_state["fd"], (json.dumps({"ack": nonce}) + "\n").encode())
+        except OSError:
+            pass
 
 
 def _is_readers_frame(frame: Any) -> bool:
@@ -798,8 +826,10 @@ def serve(request_fd: int, reply_fd: int, flag_fd: int, memory_bytes: int, cpu_s
         except EOFError:
             return 0
         _flag_state["task"] = request.get("task")
-        _send(reply_fd, _answer_call(request, shell.user_ns))
+        reply = _answer_call(request, shell.user_ns)
         _flag_state["task"] = None
+        _acknowledge(request.get("nonce"))  # after the call's flags, before its reply: the grader waits for it
+        _send(reply_fd, reply)
 
 
 def _answer_call(request: dict, namespace: dict) -> dict:
