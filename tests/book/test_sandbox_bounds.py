@@ -144,3 +144,26 @@ def test_a_silenced_flag_channel_is_itself_a_flag():
             assert not sandbox.flags, sandbox.flags
             assert sandbox.call("silencer", (1,), {}, (), time.monotonic() + 30, task="00.rotary")[0] == 2
             assert [f["task"] for f in sandbox.flags if "did not acknowledge" in f["flag"]] == ["00.rotary"]
+
+
+STARTS_A_THREAD = """import threading, time
+def _loop():
+    while True:
+        time.sleep(0.05)
+threading.Thread(target=_loop, daemon=True).start()
+def answer(x):
+    return x * 2
+"""
+
+
+def test_a_thread_running_before_the_call_is_watched_or_flagged(tmp_path):
+    """The profiler that watches a call's calls reaches the threads the call starts; one the notebook started
+    earlier is reached only on Python 3.12 (threading.setprofile_all_threads), and flagged where it is not."""
+    import sys
+
+    path = _notebook(tmp_path / "n.ipynb", STARTS_A_THREAD)
+    with Sandbox(path, timeout_s=120, isolate=False) as sandbox:
+        sandbox.start()
+        assert sandbox.call("answer", (2,), {}, (), time.monotonic() + 30, task="00.rms_norm")[0] == 4
+        flagged = [f for f in sandbox.flags if "thread(s) the notebook started" in f["flag"]]
+        assert len(flagged) == (0 if sys.version_info >= (3, 12) else 1), sandbox.flags

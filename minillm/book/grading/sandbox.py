@@ -747,8 +747,14 @@ def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseEx
         elif event == "c_call" and id(arg) in builtins:
             hits.add(builtins[id(arg)])
 
+    running = _notebook_threads()
     sys.setprofile(profiler)
-    threading.setprofile(profiler)
+    threading.setprofile(profiler)  # threads the call starts
+    if running and hasattr(threading, "setprofile_all_threads"):  # Python 3.12: threads already running too
+        threading.setprofile_all_threads(profiler)
+    elif running:
+        raise_flag(f"{len(running)} thread(s) the notebook started were running during the call, where the "
+                   "grader cannot watch their calls")
     try:
         return fn(), None, sorted(hits)
     except BaseException as exc:  # noqa: BLE001 - reported to the grader, which decides
@@ -758,6 +764,19 @@ def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseEx
             raise_flag("switched off the profiler that watches the answer's calls")
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
+        if running and hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(None)
+
+
+_LIBRARY_THREADS = ("tqdm.", "torch.", "IPython.", "concurrent.", "multiprocessing.", "threading")
+
+
+def _notebook_threads() -> list[threading.Thread]:
+    """The live threads besides this one that the notebook's code started (a library's own, tqdm's monitor say,
+    aside): the profiler set for a call does not reach threads that were already running."""
+    here = threading.current_thread()
+    return [t for t in threading.enumerate() if t is not here and t is not threading.main_thread()
+            and not (type(t).__module__.startswith(_LIBRARY_THREADS) and type(t) is not threading.Thread)]
 
 
 def _new_shell() -> Any:
