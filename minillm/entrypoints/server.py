@@ -47,7 +47,11 @@ each is compiled once, off the event loop). `suffix` and `echo` with `logprobs` 
 No single request can stop the service: parameters are checked against what the engine holds before anything
 is queued; a step that raises fails only the requests in it (a 500, or an error event when streaming) and is
 logged on the `minillm` logger; bodies over `max_body_bytes` get a 413 before they are read, a prompt longer
-than the context could hold a 400 before it is tokenised, and tokenising runs off the event loop.
+than the context could hold a 400 before it is tokenised. What is slow for a big body runs off the event loop, so
+that /health and the other streams go on: parsing, validating, templating and tokenising in a pool of
+REQUEST_THREADS threads, compiling response_format schemas in a pool of SCHEMA_THREADS of their own (a hostile
+schema cannot starve the plain requests). Lists past what any request can use (more token ids or messages than
+the context has tokens, more than MAX_STOP stop strings) are a 400 saying the limit before they are validated.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
 JSON or fields (400), a missing or wrong API key (401), an unknown model (404), a prompt longer than
@@ -74,9 +78,11 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,7 +101,7 @@ try:
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, Field, StrictInt, model_validator
+    from pydantic import BaseModel, Field, StrictInt, ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("minillm.entrypoints.server needs FastAPI and uvicorn: "
@@ -124,6 +130,10 @@ def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
 
 
 MAX_N = 16  # the most completions (n, best_of) one request may ask for
+MAX_STOP = 64  # the most stop strings one request may give: each is looked for after every token
+MAX_STOP_CHARS = 1024  # the longest stop string
+REQUEST_THREADS = 2  # threads parsing, validating and tokenising bodies (under the GIL, more only queue longer)
+SCHEMA_THREADS = 2  # threads compiling response_format schemas: apart, so hostile schemas cannot starve the rest
 
 
 def lone_surrogate(body: Any) -> str | None:
@@ -175,16 +185,6 @@ class _Sampling(BaseModel):
     # JSON_OBJECT_DEPTH deep: a regex cannot nest freely).
     response_format: dict | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def whole_characters(cls, data: Any) -> Any:
-        """Refuse a body whose strings hold a lone surrogate (`lone_surrogate`), before any field reads it."""
-        where = lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate (like \\ud800 without its pair), which is not a "
-                             "character: send whole characters (an emoji as its pair, \\ud83d\\ude00, or as UTF-8)")
-        return data
-
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs for this request: how many alternatives per token, None for no logprobs."""
         return None
@@ -211,6 +211,10 @@ class _Sampling(BaseModel):
             raise APIError(400, f"best_of ({self.best_of}) must equal n ({self.n}) when streaming: the best are known "
                                 "only at the end.", param="best_of", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(len(text) > MAX_STOP_CHARS for text in stop):
+            longest = max(len(text) for text in stop)
+            raise APIError(400, f"a stop string has {longest:,} characters, more than this server's limit of "
+                                f"{MAX_STOP_CHARS}: shorten it.", param="stop", code="invalid_value")
         try:
             return SamplingParams(
                 max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -269,6 +273,56 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A pydantic validation failure as a 400 naming the first field at fault (each error's "loc", a path in the
+    body)."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON: send a JSON object of OpenAI's API, UTF-8 "
+                             "encoded.", code="invalid_json")
+    return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where, code="invalid_value")
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a UTF-16 surrogate is spelt in JSON (UTF-8 cannot)
+
+
+def check_lists(data: Any, context: int) -> None:
+    """Refuse (400) a list longer than any request could use, before it is validated: more token ids or messages
+    than the context has tokens (a message takes one at least), more than MAX_STOP stop strings. pydantic holds the
+    GIL while it validates (a second for 3 M token ids), so a long list would stall every thread, the loop's too."""
+    if not isinstance(data, dict):
+        return  # model_validate says what is wrong with it
+    for field, limit, what in (("prompt", context, f"the model's context of {context} tokens could hold"),
+                               ("messages", context, f"the model's context of {context} tokens could hold"),
+                               ("stop", MAX_STOP, f"this server's limit of {MAX_STOP} stop strings")):
+        value = data.get(field)
+        if isinstance(value, list) and len(value) > limit:
+            raise APIError(400, f"{field} has {len(value):,} items, more than {what}: send fewer.", param=field,
+                           code="invalid_value")
+
+
+def parse_body(raw: bytes, model: type[_Sampling], context: int) -> _Sampling:
+    """A request body (bytes) as `model`, or a 400 that says what is wrong: not JSON, a string holding a lone
+    surrogate (`lone_surrogate`), a list too long for a model of `context` tokens (`check_lists`), a field out of
+    range. Slow for a big body (16 MiB of JSON takes a fraction of a second to parse), so the server calls it off
+    the event loop (`AsyncEngine.off_loop`)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested deeper than the parser recurses
+        raise validation_error([{"type": "json_invalid"}]) from None
+    where = lone_surrogate(data) if SURROGATE_ESCAPE.search(raw) else None  # the walk only when one may be there
+    if where is not None:
+        raise APIError(400, f"{where} holds a lone UTF-16 surrogate (like \\ud800 without its pair), which is not a "
+                            "character: send whole characters (an emoji as its pair, \\ud83d\\ude00, or as UTF-8).",
+                       param=where, code="invalid_value")
+    check_lists(data, context)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_input=False, include_url=False)) from None
 
 
 # ---------------------------------------------------------------------- metrics
@@ -361,10 +415,33 @@ class AsyncEngine:
             longest = max((len(t) for t in engine.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = 2 * engine.model.config.max_seq_len * longest
         self.constraints: dict[str, TokenIndex] = {}  # compiled response_format schemas, by their JSON
+        # Work too slow for the event loop, in bounded pools of its own: bodies (parse, validate, template,
+        # tokenise), and schemas (compile) apart from them. `off_loop` refuses work past max_queue waiting.
+        self.request_pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="minillm-request")
+        self.schema_pool = ThreadPoolExecutor(SCHEMA_THREADS, thread_name_prefix="minillm-schema")
+        self.pending = 0  # calls in or waiting for the pools
         self.metrics = Metrics()
         self.waiters: dict[str, _Waiter] = {}
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+
+    async def off_loop(self, pool: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Any:
+        """work(*args) in one of the pools, while the event loop goes on serving (/health, the streams); a 429 when
+        max_queue calls are waiting already. Threads share the GIL, but Python switches between them every few
+        milliseconds, so the loop gets its turns."""
+        if self.pending >= self.max_queue:
+            raise APIError(429, f"the server is already reading {self.pending} request bodies (its queue limit); "
+                                "retry later.", "rate_limit_exceeded", code="queue_full")
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, work, *args)
+        finally:
+            self.pending -= 1
+
+    def close_pools(self) -> None:
+        """Stop the threads (at shutdown): what is queued is dropped, what runs finishes."""
+        for pool in (self.request_pool, self.schema_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def loop(self) -> None:
         """Step while any request is unfinished, else sleep until one comes; route every output."""
@@ -458,8 +535,8 @@ class AsyncEngine:
                 raise APIError(400, "response_format needs the model's tokenizer, and this model has none.",
                                param="response_format", code="unsupported_parameter")
             try:
-                index = await asyncio.to_thread(TokenIndex.from_constraint, schema, self.engine.tokenizer,
-                                                self.engine.model.config.eos_token_ids)
+                index = await self.off_loop(self.schema_pool, TokenIndex.from_constraint, schema,
+                                            self.engine.tokenizer, self.engine.model.config.eos_token_ids)
             except (ValueError, RecursionError) as exc:
                 raise APIError(400, f"response_format json_schema: {exc}", param="response_format",
                                code="invalid_value") from exc
@@ -699,6 +776,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
         state.task = asyncio.create_task(state.loop())  # the engine loop runs as long as the server
         yield
         state.task.cancel()
+        state.close_pools()
         engine.shutdown()  # its worker processes, if it has any (--disaggregate, --tensor-parallel-size)
 
     app = FastAPI(title="minillm", description="An OpenAI-compatible server over minillm's engine (chapter 05).",
@@ -749,12 +827,9 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            return APIError(400, "the request body is not valid JSON.", code="invalid_json").response()
-        return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where,
-                        code="invalid_value").response()
+        """FastAPI's own validation (of query parameters, say): OpenAI's shape, as parse_body's."""
+        errors = [e | {"loc": tuple(e.get("loc", ()))[1:]} for e in exc.errors()]  # without FastAPI's "body"
+        return validation_error(errors).response()
 
     adapters: dict[str, str] = dict(getattr(engine, "lora_modules", {}))  # LoRA adapters by name (chapter 08)
     check_adapter_names(engine, model_name)
@@ -787,23 +862,42 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(await state.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    async def run(body: _Sampling, prompt: str | list[int], http: Request, chat: bool) -> Any:
+    context = engine.model.config.max_seq_len
+
+    def too_long(what: str, size: int, unit: str) -> APIError:
+        return APIError(400, f"{what} has {size:,} {unit}, more than the model's context of {context} tokens could "
+                             "hold: shorten it.", param="prompt" if what == "the prompt" else what,
+                        code="invalid_prompt")
+
+    def prompt_of(body: _Sampling, chat: bool) -> tuple[str | list[int], str]:
+        """The request's prompt as token ids (a text one tokenised; a chat templated first) and as text (for echo).
+        Refuses, before the slow part, a prompt of more characters than `max_prompt_chars` (it could not fit the
+        context). Run off the loop."""
+        if chat:
+            messages = body.messages
+            if sum(len(m.content) for m in messages) > state.max_prompt_chars:
+                raise too_long("messages", sum(len(m.content) for m in messages), "characters of content")
+            prompt = apply_chat_template([m.model_dump() for m in messages], engine.tokenizer)
+        else:
+            prompt = body.prompt
+        if not isinstance(prompt, str):  # token ids, no more than the context (`check_lists`)
+            echo = getattr(body, "echo", False) and engine.tokenizer is not None
+            return prompt, engine.tokenizer.decode(prompt) if echo else ""
+        if len(prompt) > state.max_prompt_chars:
+            raise too_long("the prompt", len(prompt), "characters")
+        return (engine.tokenizer.encode(prompt) if engine.tokenizer is not None else prompt), prompt
+
+    async def run(model: type[_Sampling], http: Request, chat: bool) -> Any:
+        """Serve one request. What is slow for a big body (parsing it, validating it, templating and tokenising the
+        prompt) runs in the request pool, compiling a schema in the schema pool: the event loop goes on serving."""
+        body = await state.off_loop(state.request_pool, parse_body, await http.body(), model, context)
         lora = check_model(body.model)
         params = body.params(default_max_tokens)
         schema = body.output_constraint()
         state.check_request(params, schema)
         constraint = await state.constraint(schema)
         echo = getattr(body, "echo", False)
-        if isinstance(prompt, str):
-            if len(prompt) > state.max_prompt_chars:
-                raise APIError(400, f"the prompt has {len(prompt):,} characters, more than the model's context of "
-                                    f"{engine.model.config.max_seq_len} tokens could hold: shorten it.",
-                               param="prompt", code="invalid_prompt")
-            prompt_text = prompt
-            if engine.tokenizer is not None:  # tokenised off the event loop: the other requests keep streaming
-                prompt = await asyncio.to_thread(engine.tokenizer.encode, prompt)
-        else:
-            prompt_text = engine.tokenizer.decode(prompt) if echo and engine.tokenizer is not None else ""
+        prompt, prompt_text = await state.off_loop(state.request_pool, prompt_of, body, chat)
         request_id, waiter = state.add(prompt, params, constraint, lora)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -875,14 +969,19 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request) -> Any:
-        return await run(body, body.prompt, http, chat=False)
+    def described(model: type[BaseModel]) -> dict:
+        """The body's schema for /docs: the handlers read the body themselves (off the loop), so FastAPI cannot
+        see it in their signatures."""
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
+            ref_template="#/components/schemas/{model}")}}}}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
-        prompt = apply_chat_template([m.model_dump() for m in body.messages], engine.tokenizer)
-        return await run(body, prompt, http, chat=True)
+    @app.post("/v1/completions", openapi_extra=described(CompletionRequest))
+    async def completions(http: Request) -> Any:
+        return await run(CompletionRequest, http, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=described(ChatCompletionRequest))
+    async def chat_completions(http: Request) -> Any:
+        return await run(ChatCompletionRequest, http, chat=True)
 
     return app
 

@@ -193,3 +193,58 @@ def test_regex_dfa_asks_for_a_pattern_string():
 
     with pytest.raises(TypeError, match=r"a regular expression is a pattern string.*not int 5"):
         RegexDFA(5)
+
+
+# ---------------------------------------------------------------------- 3. big bodies do not stall the event loop
+def hostile_bodies() -> list[tuple[str, bytes]]:
+    """Bodies under the 16 MiB limit that took the event loop seconds to parse, validate and template."""
+    ids = json.dumps({"model": MODEL, "prompt": [5] * 3_000_000})  # 3 M token ids, 9 MB
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "A"}] * 400_000})  # 12 MB
+    stops = json.dumps({"model": MODEL, "prompt": "A", "stop": [f"s{i}" for i in range(100_000)]})
+    return [("completions", ids.encode()), ("chat/completions", chat.encode()), ("completions", stops.encode())]
+
+
+def test_big_bodies_are_parsed_off_the_event_loop(server):
+    """While three hostile bodies are parsed and refused, /health keeps answering within a second."""
+    import threading
+    import time
+
+    import httpx
+
+    bodies = hostile_bodies()
+    answers: list[httpx.Response] = []
+
+    def send(endpoint: str, body: bytes) -> None:
+        answers.append(httpx.post(f"{server.url}/v1/{endpoint}", content=body, timeout=120,
+                                  headers={**AUTH, "content-type": "application/json"}))
+
+    threads = [threading.Thread(target=send, args=b) for b in bodies]
+    for t in threads:
+        t.start()
+    slowest = 0.0
+    polls = 0
+    while any(t.is_alive() for t in threads):
+        start = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        polls += 1
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while big bodies were in flight ({polls} polls)"
+    for response in answers:  # each one refused with what to do, none a 500
+        error_of(response, 400)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("stop", [f"s{i}" for i in range(65)], "stop has 65 items, more than this server's limit of 64 stop strings"),
+    ("stop", ["x" * 1025], "a stop string has 1,025 characters, more than this server's limit of 1024"),
+    ("prompt", [5] * 100_000, "prompt has 100,000 items, more than the model's context of"),
+    ("messages", [{"role": "user", "content": "A"}] * 100_000, "messages has 100,000 items, more than the model's"),
+])
+def test_lists_past_what_a_request_can_use_are_refused_saying_the_limit(server, field, value, says):
+    endpoint = "chat/completions" if field == "messages" else "completions"
+    body = {"model": MODEL, "max_tokens": 2, "prompt": "A", "messages": [{"role": "user", "content": "A"}]}
+    error = error_of(post(server, body | {field: value}, endpoint), 400)
+    assert says in error["message"] and error["param"] == field, error
