@@ -292,9 +292,23 @@ def test_python_under_tmp_stays_visible_in_the_sandbox(monkeypatch):
     import minillm.book.grading.sandbox as sandbox_module
 
     monkeypatch.setattr(sandbox_module, "readonly_paths", lambda: ["/tmp/ci/.venv", "/opt/python"])
-    args = sandbox_module.bwrap_command("/tmp/minillm-grade-x")
+    args = sandbox_module.bwrap_command()
     tmpfs = args.index("--tmpfs")
     assert args[tmpfs + 1] == "/tmp"
     binds = [i for i, a in enumerate(args) if a == "--ro-bind" and args[i + 1] in ("/tmp/ci/.venv", "/opt/python")]
     assert len(binds) == 2 and all(i > tmpfs for i in binds), args
-    assert args.index("--bind") > tmpfs, "the notebook's home is bound after /tmp is emptied"
+    home = len(args) - 1 - args[::-1].index("--tmpfs")
+    assert args[home + 1] == sandbox_module.SANDBOX_HOME and args[home - 4: home - 2] == ["--size", str(2**29)]
+
+
+def test_the_notebooks_files_are_capped_in_a_home_of_their_own(tmp_path, needs_bwrap):
+    """The sandbox's home is a tmpfs of `disk_bytes`, not a folder on the host's disk: small files work, and a
+    notebook that writes more than the cap gets "no space left" rather than filling the machine."""
+    path = write_notebook(tmp_path / "n.ipynb", "import os\nopen('small', 'wb').write(b'x' * 2**20)\n"
+                          "try:\n    open('big', 'wb').write(b'x' * 2**25)\n    outcome = 'written'\n"
+                          "except OSError as e:\n    outcome = os.strerror(e.errno)\n"
+                          "def report(_):\n    return [outcome, os.path.getsize('small'), os.getcwd()]")
+    with Sandbox(path, timeout_s=120, disk_bytes=2**24) as sandbox:
+        sandbox.start()
+        value, _ = sandbox.call("report", (0,), {}, (), time.monotonic() + 30)
+    assert value == ["No space left on device", 2**20, "/home/student"], value

@@ -73,6 +73,7 @@ from minillm.book.grading.registry import _is_library_file
 
 LOG_KEEP_BYTES = 20_000  # of the notebook's own output: enough for the end of a traceback
 DEFAULT_MEMORY_BYTES = 4 * 2**30  # on top of what the sandbox's own imports use
+DEFAULT_DISK_BYTES = 512 * 2**20  # the sandbox's home, a tmpfs: what its files may hold in all
 MAX_FILE_BYTES = 256 * 2**20
 DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted and the notebook goes on
 CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
@@ -116,8 +117,10 @@ def readonly_paths() -> list[str]:
     return [str(p) for i, p in enumerate(found) if not any(p.is_relative_to(q) for q in found[:i])]
 
 
-def bwrap_command(home: str) -> list[str]:
-    """bubblewrap's arguments: fresh namespaces, uid 65534, read-only system and Python, `home` writable."""
+def bwrap_command(disk_bytes: int | None = None) -> list[str]:
+    """bubblewrap's arguments: fresh namespaces, uid 65534, read-only system and Python, and a writable home of
+    its own: a tmpfs of at most `disk_bytes` (default DEFAULT_DISK_BYTES), in memory rather than on the host's
+    disk, so that neither the disk nor the memory beyond it can be filled through files."""
     args = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # usually links into /usr
@@ -131,7 +134,8 @@ def bwrap_command(home: str) -> list[str]:
     args += ["--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     for path in readonly_paths():
         args += ["--ro-bind", path, path]
-    return args + ["--bind", home, SANDBOX_HOME, "--chdir", SANDBOX_HOME]
+    size = str(DEFAULT_DISK_BYTES if disk_bytes is None else int(disk_bytes))
+    return args + ["--size", size, "--perms", "0700", "--tmpfs", SANDBOX_HOME, "--chdir", SANDBOX_HOME]
 
 
 INSTALL_BWRAP = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
@@ -144,12 +148,11 @@ def isolation_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return f"bubblewrap (bwrap) is not installed, and the grader runs untrusted notebooks only inside it: " \
                f"{INSTALL_BWRAP}"
-    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as home:
-        try:
-            proc = subprocess.run([*bwrap_command(home), sys.executable, "-c", "pass"], capture_output=True,
-                                  text=True, timeout=60)
-        except subprocess.TimeoutExpired:
-            return "bubblewrap did not start Python within 60 s"
+    try:
+        proc = subprocess.run([*bwrap_command(), sys.executable, "-c", "pass"], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        return "bubblewrap did not start Python within 60 s"
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
         return (f"bubblewrap is installed but cannot create a sandbox here ({why}); unprivileged user namespaces "
@@ -261,14 +264,17 @@ class Sandbox:
     restarts:       how often, per task, a sandbox stopped after a hung call is started again (re-running the
                     notebook); the next task starts with as many again, and the message names why it stopped
     isolate:        run inside bubblewrap (see the module's docstring); False only for one's own notebooks
+    disk_bytes:     what the notebook's files may hold in all, in bubblewrap (its home is a tmpfs that size)
 
     After `start`, `cell_errors` says which cells failed or were interrupted, and `flags` holds the review
     flags the sandbox raised (each a dict: "flag", the reason, and "task", the task being tested or None).
     """
 
     def __init__(self, notebook: str | Path, timeout_s: float = 600.0, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 restarts: int = 2, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True) -> None:
+                 restarts: int = 2, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, isolate: bool = True,
+                 disk_bytes: int = DEFAULT_DISK_BYTES) -> None:
         self.notebook = Path(notebook).resolve()
+        self.disk_bytes = disk_bytes
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self.restarts = self.restarts_left = restarts
         self.stopped_because = ""  # why the process was last stopped during a call, for the message that follows
@@ -351,7 +357,7 @@ class Sandbox:
         cmd = [sys.executable, "-m", "minillm.book.grading.sandbox", str(req_r), str(rep_w), str(audit_w),
                str(self.memory_bytes), str(int(self.timeout_s * 4 + 120))]
         if self.isolate:
-            cmd = bwrap_command(self._tmp.name) + cmd
+            cmd = bwrap_command(self.disk_bytes) + cmd
         self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w, audit_w), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self._tmp.name,
                                      env=env, start_new_session=True)
