@@ -255,7 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         serve(name, args.host, args.port, args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
               metrics_require_api_key=args.metrics_require_api_key, shutdown_timeout=args.shutdown_timeout,
-              max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype,
+              max_body_bytes=args.max_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
+              limit_concurrency=args.limit_concurrency or None, device=args.device, dtype=args.dtype,
               quant=args.quant, speculative_model=args.speculative_model,
               num_speculative_tokens=args.num_speculative_tokens, enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -340,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256, help="unfinished requests accepted before 429 (default 256)")
     srv.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
                      help="the largest request body accepted; larger ones get 413 (default 16 MiB)")
+    srv.add_argument("--timeout-keep-alive", type=float, default=5,
+                     help="seconds an idle connection is kept open for its next request (default 5)")
+    srv.add_argument("--limit-concurrency", type=int, default=1024,
+                     help="open connections and tasks past which new requests get 503 at once, so that slow or idle "
+                          "clients cannot hold every socket (default 1024; 0: no limit)")
     srv.add_argument("--shutdown-timeout", type=float, default=30,
                      help="seconds open streams get to finish after SIGTERM before the server stops (default 30)")
     srv.set_defaults(func=cmd_serve)

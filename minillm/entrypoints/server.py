@@ -52,6 +52,8 @@ that /health and the other streams go on: parsing, validating, templating and to
 REQUEST_THREADS threads, compiling response_format schemas in a pool of SCHEMA_THREADS of their own (a hostile
 schema cannot starve the plain requests). Lists past what any request can use (more token ids or messages than
 the context has tokens, more than MAX_STOP stop strings) are a 400 saying the limit before they are validated.
+uvicorn closes a connection idle for --timeout-keep-alive seconds and answers 503 past --limit-concurrency open
+connections; a log line repeated by a failing client is written a few times, then counted (`RepeatFilter`).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: bad
 JSON or fields (400), a missing or wrong API key (401), an unknown model (404), a prompt longer than
@@ -323,6 +325,31 @@ def parse_body(raw: bytes, model: type[_Sampling], context: int) -> _Sampling:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_input=False, include_url=False)) from None
+
+
+class RepeatFilter(logging.Filter):
+    """Let a repeated log line through `first` times, then once every `every` times with the count, so that a client
+    repeating a failing request cannot flood the log. Lines are the same when their format string and their
+    exception's text are (the request ids in them may differ). Remembers at most `max_lines` distinct lines."""
+
+    def __init__(self, first: int = 5, every: int = 100, max_lines: int = 1024) -> None:
+        super().__init__()
+        self.first, self.every, self.max_lines = first, every, max_lines
+        self.seen: dict[tuple[str, str | None], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        key = (str(record.msg), f"{type(error).__name__}: {error}" if error is not None else None)
+        if key not in self.seen and len(self.seen) >= self.max_lines:
+            self.seen.clear()  # forget the old lines rather than grow without bound
+        count = self.seen[key] = self.seen.get(key, 0) + 1
+        if count <= self.first:
+            return True
+        if count % self.every == 0:
+            record.msg = f"{record.msg} [repeated {count} times; logging one in {self.every}]"
+            record.exc_info = record.exc_text = None  # the traceback was logged the first times
+            return True
+        return False
 
 
 # ---------------------------------------------------------------------- metrics
@@ -782,6 +809,8 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
     app = FastAPI(title="minillm", description="An OpenAI-compatible server over minillm's engine (chapter 05).",
                   lifespan=lifespan)
     app.state.engine = state
+    if not any(isinstance(f, RepeatFilter) for f in log.filters):  # one for the process, however many apps
+        log.addFilter(RepeatFilter())
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -1115,11 +1144,14 @@ def is_loopback(host: str) -> bool:
 def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
           api_key: str | None = None, served_model_name: str | None = None,
           metrics_require_api_key: bool = False, shutdown_timeout: float | None = 30,
-          max_body_bytes: int = 16 * 2**20, **engine_options: Any) -> None:
+          max_body_bytes: int = 16 * 2**20, timeout_keep_alive: float = 5, limit_concurrency: int | None = 1024,
+          **engine_options: Any) -> None:
     """Serve `model` (a shipped name or a folder) until interrupted (`minillm serve`): the engine from
     `build_engine(model, **engine_options)`, as `served_model_name` (default: the folder's name), asking
     for `api_key` on /v1/ routes if given. Warns when a non-loopback address is served without a key. On SIGTERM
-    (or Ctrl-C) the open streams get `shutdown_timeout` seconds to finish (None: as long as they take)."""
+    (or Ctrl-C) the open streams get `shutdown_timeout` seconds to finish (None: as long as they take). An idle
+    connection is closed after `timeout_keep_alive` seconds; past `limit_concurrency` open connections and tasks,
+    uvicorn answers 503 at once (None: no limit), so that idle or slow clients cannot hold every socket."""
     import uvicorn
 
     engine = build_engine(model, **engine_options)
@@ -1132,7 +1164,8 @@ def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8
                 "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
                 "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
         # On SIGTERM, open streams get shutdown_timeout seconds to finish; then the server stops anyway.
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout)
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
+                    timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     finally:
         # The app's shutdown stops the engine's workers (after it uvicorn raises a SIGTERM again, so no code runs
         # here then); this stops them when the server never started (a port in use, an empty API key).

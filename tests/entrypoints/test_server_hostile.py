@@ -248,3 +248,52 @@ def test_lists_past_what_a_request_can_use_are_refused_saying_the_limit(server, 
     body = {"model": MODEL, "max_tokens": 2, "prompt": "A", "messages": [{"role": "user", "content": "A"}]}
     error = error_of(post(server, body | {field: value}, endpoint), 400)
     assert says in error["message"] and error["param"] == field, error
+
+
+# ---------------------------------------------------------------------- 4. timeouts, a connection cap, a quiet log
+def test_serve_closes_idle_connections_and_caps_them(monkeypatch):
+    from minillm.entrypoints.server import serve
+
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))  # no socket is opened
+    serve(MODEL)
+    assert seen["timeout_keep_alive"] == 5 and seen["limit_concurrency"] == 1024, seen
+    serve(MODEL, timeout_keep_alive=2.5, limit_concurrency=None)
+    assert seen["timeout_keep_alive"] == 2.5 and seen["limit_concurrency"] is None
+
+
+def test_the_serve_command_passes_its_timeout_and_cap_flags(monkeypatch):
+    import minillm.entrypoints.server as server_module
+    from minillm.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.update(kwargs))
+    assert main(["serve", "--timeout-keep-alive", "2", "--limit-concurrency", "0"]) == 0
+    assert seen["timeout_keep_alive"] == 2 and seen["limit_concurrency"] is None, "0 means no limit"
+    assert main(["serve"]) == 0
+    assert seen["timeout_keep_alive"] == 5 and seen["limit_concurrency"] == 1024
+
+
+def test_a_repeated_error_line_is_logged_a_few_times_then_counted():
+    from minillm.entrypoints.server import RepeatFilter
+
+    records = []
+    logger = logging.getLogger("minillm.test_repeat_filter")
+    logger.propagate = False
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.addFilter(RepeatFilter(first=3, every=10))
+    try:
+        for i in range(25):
+            try:
+                raise RuntimeError("poisoned step")
+            except RuntimeError as exc:
+                logger.error("a step failed (%s); failing request %s", exc, f"cmpl-{i}", exc_info=exc)
+        logger.error("another line")
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 3 + 2 + 1, lines  # the first 3, the 10th and 20th with their count, the other line
+    assert lines[3].endswith("[repeated 10 times; logging one in 10]") and records[3].exc_info is None
+    assert lines[-1] == "another line"
