@@ -314,9 +314,7 @@ def normalised(function: ast.AST) -> list[str]:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             node.name = rename(node.name)
-            first = body[0] if body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
-                                                                                                   str):
+            if ast.get_docstring(node, clean=False) is not None:
                 node.body = body[1:] or [ast.Pass()]
         if isinstance(node, ast.arg):
             node.arg, node.annotation = rename(node.arg), None

@@ -186,19 +186,23 @@ def grade_task(task_id: str, points: float, src: NotebookSource, sandbox: Sandbo
     join (scored together); `failed`: why the hidden tests could not run (each then fails with it)."""
     task = get_task(task_id)
     expression = src.checked.get(task_id, task.answer_name)
-    if not defines(src, expression):
-        why = f"the notebook defines no `{expression}` (the task's function; hand it in with check({task_id!r}, ...))"
-        if src.unparsed:
-            cell, error = next(iter(src.unparsed.items()))
-            why = f"code cell {cell} has a syntax error ({error}); fix it: until then {why}"
-        return TaskGrade(task_id, points, 0.0, why)
-    misuse = forbidden_use(src, expression, task.forbidden)
-    if misuse:
-        return TaskGrade(task_id, points, 0.0, f"no credit: `{expression}` is not your own code: {misuse}. "
-                                               "Write it yourself.")
-    copy = copied_from(src, expression, task.forbidden)
-    review = [f"`{expression}` is {copy[1]:.0%} the same code as {copy[0]} once names and docstrings are set "
-              "aside: is it a copy?"] if copy else []
+    review: list[str] = []
+    if before is None:  # the source checks (with the hidden tests, `before` passed them already)
+        if not defines(src, expression):
+            why = (f"the notebook defines no `{expression}` (the task's function; hand it in with "
+                   f"check({task_id!r}, ...))")
+            if src.unparsed:
+                cell, error = next(iter(src.unparsed.items()))
+                why = f"code cell {cell} has a syntax error ({error}); fix it: until then {why}"
+            return TaskGrade(task_id, points, 0.0, why)
+        misuse = forbidden_use(src, expression, task.forbidden)
+        if misuse:
+            return TaskGrade(task_id, points, 0.0, f"no credit: `{expression}` is not your own code: {misuse}. "
+                                                   "Write it yourself.")
+        copy = copied_from(src, expression, task.forbidden)
+        if copy:
+            review.append(f"`{expression}` is {copy[1]:.0%} the same code as {copy[0]} once names and docstrings "
+                          "are set aside: is it a copy?")
     answer = RemoteAnswer(sandbox, expression, task.forbidden, task=task_id)
     if failed is not None:
         results = [TestResult(t.name, False, failed) for t in task.tests if t.hidden == hidden]
@@ -322,8 +326,8 @@ def grade_all(notebooks: list[Path | Submission], jobs: int = 1, progress: bool 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             tqdm(total=len(notebooks), desc="grading", unit="notebook", disable=not progress,
                  file=sys.stderr) as bar:
-        futures = [pool.submit(_grade_or_report, *nb, **kwargs) if isinstance(nb, Submission)
-                   else pool.submit(_grade_or_report, nb, **kwargs) for nb in notebooks]
+        futures = [pool.submit(_grade_or_report, *(nb if isinstance(nb, Submission) else (nb, None)), **kwargs)
+                   for nb in notebooks]
         for future in futures:
             future.add_done_callback(lambda _: bar.update(1))
         return [f.result() for f in futures]
@@ -392,6 +396,14 @@ def format_report(grades: list[NotebookGrade]) -> str:
     return "\n".join(lines)
 
 
+def _refuse_twice(grades: list[NotebookGrade], after: str) -> None:
+    """A ValueError naming every student who hands in one chapter twice; `after` ends its message."""
+    twice = duplicates(grades)
+    if twice:
+        raise ValueError("a student hands in one chapter twice: " + "; ".join(twice) + ". Keep one notebook per "
+                         f"student and chapter (which one counts is yours to decide), then grade again{after}.")
+
+
 def cmd_grade(args: argparse.Namespace) -> int:
     if args.chapter:
         load_book().chapter(args.chapter)  # an unknown chapter is a usage error, before any work
@@ -411,12 +423,10 @@ def cmd_grade(args: argparse.Namespace) -> int:
     notebooks = find_notebooks(args.notebooks)
     if not notebooks:
         raise ValueError(f"no notebooks found in {' '.join(args.notebooks)}")
-    named = [NotebookGrade(str(n.path), n.student, getattr(load_book().chapter_of_notebook(n.path), "id", None))
-             for n in notebooks]
-    twice = duplicates([g for g in named if g.chapter])  # by file name now; by content after grading (_by_student)
-    if twice:
-        raise ValueError("a student hands in one chapter twice: " + "; ".join(twice) + ". Keep one notebook per "
-                         "student and chapter (which one counts is yours to decide), then grade again.")
+    book = load_book()
+    by_name = [NotebookGrade(str(n.path), n.student, getattr(book.chapter_of_notebook(n.path), "id", None))
+               for n in notebooks]
+    _refuse_twice([g for g in by_name if g.chapter], "")  # by file name now; after grading, by their checks too
     grades = grade_all(notebooks, jobs=args.jobs, progress=not args.no_progress, timeout_s=args.timeout,
                        chapter_id=args.chapter, memory_bytes=int(args.memory_gb * 2**30),
                        cell_timeout_s=args.cell_timeout, isolate=not args.no_sandbox, points=points)
@@ -425,10 +435,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
         for note in g.notes:
             if note.startswith("warning:"):
                 print(f"{clean(g.notebook)}: {clean(note)}", file=sys.stderr)
-    twice = duplicates(grades)
-    if twice:  # chapters known only from the notebooks' checks
-        raise ValueError("a student handed in one chapter twice: " + "; ".join(twice) + ". Keep one notebook per "
-                         "student and chapter, then grade again; nothing was written.")
+    _refuse_twice(grades, "; nothing was written")
     gradebook = merge_into(previous, grades)
     json_path = args.json or args.update
     if json_path:

@@ -422,8 +422,8 @@ class Sandbox:
             raise SandboxError(f"the notebook's process stopped listening ({exc})") from None
         reply = self._reply(deadline, what="the call ran past the test's time limit")
         with self._acked:  # written before the reply: a short wait covers the reader thread's delay
-            self._acked.wait_for(lambda: nonce in self._acks, timeout=ACK_WAIT_S)
-            acked = nonce in self._acks
+            acked = self._acked.wait_for(lambda: nonce in self._acks, timeout=ACK_WAIT_S)
+            self._acks.discard(nonce)
         if not acked:
             flag = {"flag": "the sandbox's flag channel did not acknowledge a call (was it closed or replaced?), so "
                             "flags raised during the tests may be missing", "task": task}
