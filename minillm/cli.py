@@ -23,7 +23,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from minillm.shipped import DEFAULT_MODEL, shipped_models
+from minillm.shipped import CHAT_MODEL, DEFAULT_MODEL, shipped_models
+
+MODEL_HELP = (f"a shipped model's name, the installed pretrained {CHAT_MODEL}, a local Hugging Face folder or a .gguf "
+              f"file (default: {DEFAULT_MODEL})")
 
 # minillm.quant.QUANT_OPTIONS, written out so that `minillm --help` does not import torch
 QUANT_CHOICES = ("int8", "int4", "nf4", "fp8", "gptq-int4", "awq-int4", "smoothquant", "llm.int8")
@@ -97,7 +100,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         quantize_by_name(model, args.quant, tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt = args.prompt
+    if args.chat:  # the prompt is a user's message, in the model's own chat template
+        from minillm.tokenizer import apply_chat_template
+
+        prompt = apply_chat_template([{"role": "user", "content": args.prompt}], tokenizer)
+    prompt_ids = tokenizer.encode(prompt)  # as the server encodes a chat: the template renders with bos_token=""
     if args.compile:  # compile now, so that the stats below are of the compiled steps, not of the compiling
         start = time.perf_counter()
         warm_up = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -274,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT", description="Stream a completion of PROMPT.")
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    gen.add_argument("--model", help=MODEL_HELP)
+    gen.add_argument("--chat", action="store_true",
+                     help=f"PROMPT is a user's message: put it in the model's chat template and answer it (try "
+                          f"--model {CHAT_MODEL})")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
@@ -290,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="Serve a model over an OpenAI-compatible HTTP API (chapter 05): "
                                      "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
-    srv.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    srv.add_argument("--model", help=MODEL_HELP)
     srv.add_argument("--served-model-name", default=None,
                      help="the name clients ask for and /v1/models lists (default: the model's folder name)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
@@ -355,14 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--gguf", required=True, metavar="PATH", help="the .gguf file to write")
     exp.add_argument("--dtype", choices=GGUF_DTYPES, default="q8_0",
                      help="the block linears' type: f32, f16, q8_0 (8.5 bits) or q4_0 (4.5 bits) (default q8_0)")
-    exp.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    exp.add_argument("--model", help=MODEL_HELP)
     exp.set_defaults(func=cmd_export)
 
     ev = sub.add_parser("eval", help="score a model on the book's tasks; --baseline fails on a quality regression",
                         description="Score a model on the book's local tasks (perplexity, next_line, last_word, "
                                     "agreement with --reference). With --baseline, compare with a results file and "
                                     "exit 1 if a metric moved past its tolerance (chapter 09).")
-    ev.add_argument("--model", help=f"a shipped model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
+    ev.add_argument("--model", help=MODEL_HELP)
     ev.add_argument("--tasks", nargs="+", default=["perplexity", "next_line", "last_word"],
                     help="perplexity, agreement, or task files / names in minillm/data/tasks "
                          "(default: perplexity next_line last_word)")

@@ -8,8 +8,14 @@ time can produce half a character. `IncrementalDecoder` emits text only once it 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+# The chat template for models whose tokenizer has none (the shipped Shakespeare models): each message
+# as a speaker's turn in a play, which is the only dialogue these models have read. The roles become
+# the speakers' names, and the prompt ends with the assistant's name, for the model to continue.
+CHAT_TEMPLATE = "{ROLE}.\n{content}\n\n"  # per message; then "ASSISTANT.\n"
 
 
 class Tokenizer:
@@ -68,6 +74,22 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         """Write `tokenizer.json`."""
         self._tok.save(str(path))
+
+
+def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    """The prompt for a chat: the model's own chat template (Jinja, from tokenizer_config.json or a GGUF file's
+    metadata) if it has one, rendered as transformers renders it with add_generation_prompt, else CHAT_TEMPLATE.
+
+    messages: [{"role": "system" | "user" | "assistant", "content": text}, ...]."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",
+                                                eos_token="")
+    text = "".join(CHAT_TEMPLATE.format(ROLE=m["role"].upper(), content=m["content"]) for m in messages)
+    return text + "ASSISTANT.\n"
 
 
 class IncrementalDecoder:

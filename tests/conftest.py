@@ -25,7 +25,7 @@ COMPARES_PATHS = {
     "test_async_scheduling.py", "test_beam.py", "test_compiled_decode.py", "test_constrained.py",
     "test_disagg.py", "test_engine.py", "test_eval_cached.py", "test_fused_kernels.py", "test_generate.py",
     "test_inference_scaling.py", "test_kv_quant.py", "test_lora.py", "test_model_parity.py", "test_paged_kv_cache.py",
-    "test_pipeline_parallel.py", "test_speculative.py", "test_tensor_parallel.py",
+    "test_pipeline_parallel.py", "test_smollm2.py", "test_speculative.py", "test_tensor_parallel.py",
     "04_paging.ipynb", "05_batching.ipynb", "07_speculative.ipynb", "08_disaggregation.ipynb",
 }
 

@@ -125,7 +125,7 @@ def test_the_engine_takes_its_block_counts_from_utils_not_the_whiteboard():
 FLOORS = {
     "minillm.kernels": 0,
     **{f"minillm.{m}": 1 for m in ("config", "utils", "tokenizer", "quant", "lora", "model", "contiguous_cache",
-                                   "arithmetic", "shipped", "checkpoints")},
+                                   "arithmetic", "shipped", "checkpoints", "formats")},
     "minillm.sampler": 2,
     "minillm.engine": 3,
     "minillm.decoding": 4, "minillm.parallel": 4,

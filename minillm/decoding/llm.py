@@ -42,6 +42,21 @@ class LLM:
         """Stop the engine's tensor-parallel workers, if any (`LLMEngine.shutdown`)."""
         self.engine.shutdown()
 
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer one conversation ([{"role": "user", "content": ...}, ...]) or a list of them: each rendered by the
+        model's chat template (`minillm.tokenizer.apply_chat_template`), then generated as `generate` does. A chat
+        model ends its turn with its end-of-turn token (SmolLM2's <|im_end|>), which is its EOS."""
+        from minillm.tokenizer import apply_chat_template
+
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template: pass token ids to generate.")
+        single = bool(messages) and isinstance(messages[0], dict)
+        chats = [messages] if single else list(messages)
+        return self.generate([apply_chat_template(list(chat), tokenizer) for chat in chats], params, use_tqdm)
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],

@@ -21,7 +21,7 @@ class EngineConfig:
     """An engine's settings (`LLMEngine`'s docstring says what each does). Frozen: a new setting is a new config,
     `dataclasses.replace(config, max_num_seqs=8)`."""
 
-    num_blocks: int | None = None  # default: as many as kv_cache_memory_bytes holds, else max_num_seqs full contexts
+    num_blocks: int | None = None  # default: what kv_cache_memory_bytes holds, else max_num_seqs contexts (CPU: 2 GiB)
     block_size: int = BLOCK_SIZE
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -86,6 +86,10 @@ from minillm.sampler.speculative import SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 from minillm.utils import kv_blocks, to_device
 
+# The KV pool's default ceiling on a CPU, where it shares the machine's memory with everything else: SmolLM2-135M's
+# 64 full contexts (max_num_seqs x 8,192 tokens, fp32) would take 24 GiB; 2 GiB holds 45k of its tokens.
+CPU_KV_CACHE_BYTES = 2 * 1024**3
+
 
 @dataclass
 class RequestOutput:
@@ -128,7 +132,7 @@ class LLMEngine:
         tokenizer: encodes text prompts, decodes outputs, matches stop strings (optional with token ids).
         config: an `EngineConfig`; its fields (or the keywords of the same names):
         num_blocks: KV blocks in the pool; default: as many as kv_cache_memory_bytes holds, else
-            max_num_seqs sequences of the model's full context.
+            max_num_seqs sequences of the model's full context (on a CPU, at most CPU_KV_CACHE_BYTES of them).
         block_size: tokens per block (16, vLLM's default).
         kv_cache_dtype: what the KV cache stores (chapter 06, `minillm.quant.kv`; vLLM's option of the same
             name): "auto" (the model's dtype, the default), "int8" or "fp8" (e4m3), each with one fp32 scale per
@@ -207,6 +211,9 @@ class LLMEngine:
                                                c.kv_cache_dtype)
         if num_blocks is None:
             num_blocks = c.max_num_seqs * kv_blocks(model.config.max_seq_len, c.block_size)
+            if model.device.type == "cpu":  # a real model's full contexts would not fit a laptop: 64 x 8k tokens
+                num_blocks = min(num_blocks, num_blocks_for_memory(model.config, CPU_KV_CACHE_BYTES, c.block_size,
+                                                                   model.dtype, c.kv_cache_dtype))
         cache_args = (model.config, num_blocks, c.block_size, model.device, model.dtype, c.enable_prefix_caching,
                       c.kv_cache_dtype)  # with tensor parallelism, rank 0's heads (each rank's pool holds its own)
         self.cache = self.tp.paged_cache(*cache_args) if self.tp else PagedKVCache(*cache_args)

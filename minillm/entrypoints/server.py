@@ -16,7 +16,7 @@ that speaks it work unchanged:
     GET  /health                 200 "ok" while the engine loop runs
     GET  /v1/models              the model served, and its LoRA adapters (each with "parent": the model)
     POST /v1/completions         text completion; "stream": true sends server-sent events
-    POST /v1/chat/completions    chat: the tokenizer's chat template if it has one, else CHAT_TEMPLATE
+    POST /v1/chat/completions    chat: the tokenizer's chat template if it has one, else minillm.tokenizer.CHAT_TEMPLATE
     GET  /metrics                Prometheus text: queue lengths, KV blocks, tokens, TTFT and ITL histograms
 
 LoRA adapters (chapter 08, `minillm serve --lora-modules name=path ...`, as vLLM's flag): a request whose
@@ -95,6 +95,7 @@ from minillm.parallel.tensor import start_group
 from minillm.sampler.constrained import TokenIndex, json_object_regex
 from minillm.sampler.sampling import SamplingParams
 from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
+from minillm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:  # imported where --disaggregate builds one: a one-process server never loads it
     from minillm.parallel.disagg import DisaggregatedEngine
@@ -110,26 +111,6 @@ except ImportError as exc:  # pragma: no cover - the message is the point
                       "pip install 'minillm-book[serve]'") from exc
 
 log = logging.getLogger("minillm")
-
-# The chat template for models whose tokenizer has none (the shipped Shakespeare models): each message
-# as a speaker's turn in a play, which is the only dialogue these models have read. The roles become
-# the speakers' names, and the prompt ends with the assistant's name, for the model to continue.
-CHAT_TEMPLATE = "{ROLE}.\n{content}\n\n"  # per message; then "ASSISTANT.\n"
-
-
-def apply_chat_template(messages: list[dict[str, str]], tokenizer: Any) -> str:
-    """The prompt for a chat: the model's own chat template (Jinja, from its tokenizer_config.json) if it has
-    one, rendered as transformers does with add_generation_prompt, else CHAT_TEMPLATE."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str):
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",
-                                                eos_token="")
-    text = "".join(CHAT_TEMPLATE.format(ROLE=m["role"].upper(), content=m["content"]) for m in messages)
-    return text + "ASSISTANT.\n"
-
 
 MAX_N = 16  # the most completions (n, best_of) one request may ask for
 MAX_STOP = 64  # the most stop strings one request may give: each is looked for after every token

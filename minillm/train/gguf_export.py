@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from minillm.checkpoints import build_model, to_checkpoint_names
-from minillm.config import ModelConfig
+from minillm.formats.gguf_reader import gguf_name, read_gguf_checkpoint, rotary_to_interleaved
 from minillm.model import Transformer
 from minillm.tokenizer import Tokenizer
 
@@ -98,40 +98,6 @@ def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 QUANTISERS = {"Q8_0": q8_0_blocks, "Q4_0": q4_0_blocks}
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
-
-# minillm / Hugging Face checkpoint names -> llama.cpp's (per block: blk.N.<name>)
-_BLOCK_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-
-
-def gguf_name(hf_name: str) -> str:
-    """'model.layers.3.mlp.up_proj.weight' -> 'blk.3.ffn_up.weight'."""
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    _, _, rest = hf_name.partition("model.layers.")
-    index, _, name = rest.partition(".")
-    return f"blk.{index}.{_BLOCK_NAMES[name]}"
-
-
-def rotary_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k projection rows [n_heads * d, dim] from rotate-half pairs (i, i + d/2) to adjacent
-    pairs (2i, 2i + 1), the order llama.cpp's rotary expects (what its converter does to HF checkpoints)."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def interleaved_to_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `rotary_to_interleaved`."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
 
 def write_gguf(model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype: str = "Q8_0") -> dict[str, int]:
     """Write `model` to a GGUF file: block linears in `qtype` (F32, F16, Q8_0 or Q4_0), norms and embedding in F32.
@@ -218,38 +184,7 @@ def _add_tokenizer(writer, tokenizer: Tokenizer) -> None:  # noqa: ANN001 - a gg
     writer.add_add_eos_token(adds_eos)
 
 
-def read_gguf(path: str | Path, config: ModelConfig | None = None) -> Transformer:
-    """A `Transformer` with the dequantised weights of a file written by `write_gguf` (dequantised by gguf-py)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    by_gguf = {}
-    for t in reader.tensors:
-        by_gguf[t.name] = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).float()
-    if config is None:
-        config = _config_from(reader, tied="output.weight" not in by_gguf)
-    tensors = {}
-    names = [f"model.layers.{i}.{n}" for i in range(config.n_layers) for n in _BLOCK_NAMES]
-    top = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
-    for name in names + top:
-        t = by_gguf[gguf_name(name)]
-        if name.endswith("q_proj.weight"):
-            t = interleaved_to_rotary(t, config.n_heads)
-        elif name.endswith("k_proj.weight"):
-            t = interleaved_to_rotary(t, config.n_kv_heads)
-        tensors[name] = t
+def read_gguf(path: str | Path) -> Transformer:
+    """A `Transformer` with the dequantised weights of a GGUF file (read by `minillm.formats.gguf_reader`)."""
+    config, tensors, _ = read_gguf_checkpoint(path)
     return build_model(config, tensors).eval()
-
-
-def _config_from(reader, tied: bool) -> ModelConfig:  # noqa: ANN001 - a gguf.GGUFReader
-    def field(key: str) -> float:
-        return reader.fields[f"llama.{key}"].contents()
-
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    dim, heads = int(field("embedding_length")), int(field("attention.head_count"))
-    return ModelConfig(
-        dim=dim, n_layers=int(field("block_count")), n_heads=heads, n_kv_heads=int(field("attention.head_count_kv")),
-        head_dim=int(field("rope.dimension_count")), ffn_dim=int(field("feed_forward_length")), vocab_size=vocab,
-        max_seq_len=int(field("context_length")), rope_theta=float(field("rope.freq_base")),
-        norm_eps=float(field("attention.layer_norm_rms_epsilon")), tie_embeddings=tied,
-    )

@@ -24,8 +24,9 @@ from conftest import served_in_thread  # noqa: E402
 import minillm  # noqa: E402
 from minillm.decoding.llm import LLM  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
-from minillm.entrypoints.server import apply_chat_template, create_app  # noqa: E402
+from minillm.entrypoints.server import create_app  # noqa: E402
 from minillm.sampler.sampling import SamplingParams  # noqa: E402
+from minillm.tokenizer import apply_chat_template  # noqa: E402
 
 MODEL = "shakespeare-1m"
 
@@ -239,3 +240,20 @@ def test_offline_bench_counts_every_token(server):
     result = offline(server.offline, requests, use_tqdm=False)
     assert result["output_tokens"] == sum(n for _, n in requests)
     assert result["prompt_tokens"] == sum(len(p) for p, _ in requests) and result["output_tokens_per_s"] > 0
+
+
+def test_a_real_chat_model_answers_through_its_own_template():
+    """SmolLM2-135M-Instruct (installed by the set-up): its chat template, its end-of-turn token as the stop."""
+    from minillm.shipped import CHAT_MODEL
+
+    model, tok = minillm.load(CHAT_MODEL)
+    engine = LLMEngine(model, tok, max_num_seqs=4, num_blocks=64)
+    with served_in_thread(create_app(engine, CHAT_MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        got = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=32, temperature=0)
+        assert got.choices[0].message.content == "The capital of France is Paris."
+        assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == 8  # 7 + <|im_end|>
+        stream = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=32, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == "The capital of France is Paris."

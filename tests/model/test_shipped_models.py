@@ -13,9 +13,13 @@ from minillm.checkpoints import SHIPPED_MODELS_DIR
 
 
 def test_list_models_names_both_with_their_sizes():
-    """list_models() gives every shipped folder with the parameter count of its weights."""
-    sizes = minillm.list_models()
+    """list_models() gives every shipped folder with the parameter count of its weights, and the installed models."""
+    from minillm.shipped import installed_models
+
+    listed = minillm.list_models()
+    sizes = {name: listed[name] for name in minillm.shipped_models()}
     assert set(sizes) == {minillm.DEFAULT_MODEL, minillm.DEFAULT_DRAFT}
+    assert set(listed) - set(sizes) == set(installed_models())
     assert sizes[minillm.DEFAULT_MODEL] <= 12_000_000, "the target must stay under 12M parameters"
     assert sizes[minillm.DEFAULT_DRAFT] <= 2_000_000, "the draft must stay under 2M parameters"
     total = sum((SHIPPED_MODELS_DIR / n / "model.safetensors").stat().st_size for n in sizes)

