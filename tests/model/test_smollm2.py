@@ -125,3 +125,24 @@ def test_llama_cpp_gives_the_same_greedy_text(ours, gguf_path):
         theirs = llm.create_completion(prompt, max_tokens=16, temperature=0.0)["choices"][0]["text"]
         ours_out = minillm.generate(model, tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16), tok)
         assert ours_out.text == theirs, question
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_graphs_chunks_and_speculation_give_the_eager_tokens(gguf_path):
+    """bf16 on the GPU: CUDA graphs (decode and mixed steps), 32-token chunks and n-gram speculation give the eager
+    paged engine's greedy tokens, and the obvious question still gets the obvious answer."""
+    from minillm.decoding.llm import LLM
+    from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
+
+    model, tok = minillm.load(CHAT_MODEL, device="cuda")
+    assert model.dtype == torch.bfloat16
+    prompts = [apply_chat_template(chat(q), tok) for q in QUESTIONS]
+    prompts.append(apply_chat_template(chat("Repeat exactly: the cat sat on the mat, the cat sat on the mat."), tok))
+    params = SamplingParams(temperature=0, max_tokens=32)
+    eager = LLM(model, tok, cuda_graphs=False, num_blocks=256).generate(prompts, params, use_tqdm=False)
+    assert eager[0].text == "The capital of France is Paris."
+    spec = SpeculativeConfig(NgramDrafter(), num_speculative_tokens=4)
+    for label, options in [("graphs", {}), ("chunks of 32 tokens", {"max_num_batched_tokens": 32}),
+                           ("n-gram speculation", {"speculative": spec})]:
+        got = LLM(model, tok, num_blocks=256, **options).generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in eager], label
