@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.quant.calibration import blocks_in_order, capture_inputs
+from minillm.quant.calibration import BlockByBlock, blocks_in_order
 from minillm.quant.formats import Granularity, quantize_int
 from minillm.quant.linear import QuantLinear, set_module
 
@@ -62,12 +62,14 @@ def awq_quantize_model(
     if bits == 8:
         group_size = "channel"
     alphas = {}
+    runner = BlockByBlock(model, calibration)
     for block in blocks_in_order(model):
-        inputs = capture_inputs(model, calibration, block)
+        inputs = runner.capture(block)
         for name, linear in block.items():
             X = inputs[name][:max_tokens]
             s, alphas[name], _ = awq_scale_search(linear.weight.data.cpu(), X, bits, group_size, grid)
             q = quantize_int(linear.weight.data.cpu().float() * s, bits, group_size, symmetric=False)
             layer = QuantLinear(q, linear.bias, input_scale=s).to(linear.weight.device)
             set_module(model, name, layer)
+        runner.advance()
     return alphas

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.quant.calibration import blocks_in_order, capture_inputs
+from minillm.quant.calibration import BlockByBlock, blocks_in_order
 from minillm.quant.formats import Granularity, IntQuantized, int_grid, int_quantized, int_round
 from minillm.quant.linear import QuantLinear, set_module
 
@@ -120,12 +120,14 @@ def gptq_quantize_model(
 ) -> nn.Module:
     """Replace every block linear by its GPTQ `QuantLinear`, block by block (see the module docstring)."""
     symmetric = bits == 8  # as round-to-nearest: int8 symmetric per channel, fewer bits asymmetric per group
+    runner = BlockByBlock(model, calibration)
     for block in blocks_in_order(model):
-        Hs = capture_inputs(model, calibration, block, reduce=lambda x: 2 * x.double().T @ x.double())
+        Hs = runner.capture(block, reduce=lambda x: 2 * x.double().T @ x.double())
         n_tokens = calibration.numel()
         for name, linear in block.items():
             q = gptq_quantize(linear.weight.data.cpu(), Hs[name] / n_tokens, bits,
                               "channel" if bits == 8 else group_size, symmetric, damp)
             layer = QuantLinear(q, linear.bias).to(linear.weight.device)
             set_module(model, name, layer)
+        runner.advance()
     return model

@@ -43,7 +43,14 @@ from minillm.quant import (
     unpack_int4,
 )
 from minillm.quant.awq import awq_scale_search
-from minillm.quant.calibration import blocks_in_order, calibration_ids, capture_inputs, sample_text, validation_ids
+from minillm.quant.calibration import (
+    BlockByBlock,
+    blocks_in_order,
+    calibration_ids,
+    capture_inputs,
+    sample_text,
+    validation_ids,
+)
 from minillm.quant.gptq import gptq_quantize, hessian, inverse_hessian_factor, quantize_column
 from minillm.quant.smoothquant import activation_absmax, smoothing_scales
 
@@ -645,6 +652,28 @@ def test_task_9_activation_absmax_matches_captured_inputs(shipped):
     assert set(stats) == set(block_linears(model))
     for n in names:
         torch.testing.assert_close(stats[n], captured[n].abs().amax(0))
+
+
+def test_task_9_block_by_block_sees_what_the_whole_model_feeds_each_block(shipped):
+    """BlockByBlock's inputs of every block equal capture_inputs' (the whole model run for each), and after a
+    block is changed in place the next block sees the changed block's outputs, as a fresh forward would."""
+    model, tok = shipped
+    model = copy.deepcopy(model)
+    ids = calibration_ids(tok, n_seqs=3, seq_len=32)
+    runner = BlockByBlock(model, ids, batch_size=2)
+    blocks = blocks_in_order(model)
+    with pytest.raises(ValueError, match="not in block 0"):
+        runner.capture(blocks[1])
+    for i, block in enumerate(blocks):
+        ours, theirs = runner.capture(block), capture_inputs(model, ids, block, batch_size=2)
+        for name in block:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
+        if i == 0:  # change block 0: block 1 must see it
+            with torch.no_grad():
+                model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        runner.advance()
+    with pytest.raises(ValueError, match="model.layers"):
+        BlockByBlock(nn.Linear(2, 2), ids)
 
 
 # --------------------------------------------------------------------------------------- the whole model
