@@ -71,6 +71,35 @@ def test_gqa_quality_writes_a_row_per_kv_head_count(monkeypatch, tmp_path):
     assert result["uptraining_vs_pretraining"]["uptrain_tokens"] == 2 * 1 * 32
 
 
+def test_quant_quality_on_the_real_model_scores_both_texts_against_the_q4_1_reference(monkeypatch, tmp_path):
+    """Chapter 06's table on SmolLM2 at tiny settings: the reference row has KL 0 and the file's 5 bits; a KV-cache
+    row keeps the weights; int8 weights move perplexity little; the Q4_1 grid has at most 16 values a block."""
+    from minillm.shipped import CHAT_MODEL, installed_models
+
+    if CHAT_MODEL not in installed_models():
+        pytest.skip(f"{CHAT_MODEL} is not installed (make setup)")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("quant_quality", None)
+    import quant_quality
+
+    with pytest.raises(SystemExit, match="starting with fp32"):
+        quant_quality.main(["--model", CHAT_MODEL, "--rows", "int8"])
+    out = tmp_path / "quant_quality_test"
+    assert quant_quality.main(["--model", CHAT_MODEL, "--seq-len", "16", "--eval-windows", "2", "--calib-seqs", "1",
+                               "--rows", "fp32,int8,kv-fp8", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {"date", "commit", "machine", "versions"} <= result.keys()
+    fp32, int8, kv = result["rows"]
+    assert [r["key"] for r in result["rows"]] == ["fp32", "int8", "kv-fp8"]
+    assert fp32["book_kl"] == fp32["shakespeare_kl"] == 0 and fp32["block_bits_per_weight"] == 5.0
+    assert kv["block_bits_per_weight"] == 5.0 and kv["weight_rel_error"] == 0 and kv["book_kl"] > 0
+    assert 8 < int8["block_bits_per_weight"] < 8.1 and 0 < int8["weight_rel_error"] < 0.02
+    assert abs(int8["book_ppl_change"]) < 0.05
+    grid = result["q4_1_grid"]
+    assert grid["max_distinct_per_block"] <= 16
+    assert grid["blocks"] * 32 == 30 * 576 * (960 + 576 + 3072 + 1536)  # 30 blocks: qkv, o, gate_up, down
+
+
 def test_busy_time_counts_overlapping_kernels_once(monkeypatch):
     """The profiles' GPU busy time (roofline.py, engine_step_profile.py, overlap_timeline.py) is the union of the
     kernels' intervals: kernels that overlap, as under programmatic dependent launch, count once."""
@@ -83,3 +112,27 @@ def test_busy_time_counts_overlapping_kernels_once(monkeypatch):
     assert sum(end - start for start, end in merge(spans)) == 8.0  # against 11 summed kernel by kernel
     assert merge([]) == []
 
+
+
+def test_speculative_ngram_accounts_for_steps_that_drafted_nothing_or_fewer_than_k(monkeypatch):
+    """Chapter 07's n-gram benchmark: the formula applied at each step's own draft length, and the steps
+    without a draft counted as one-token decode steps."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("speculative_ngram", None)
+    import speculative_ngram
+
+    from minillm.sampler.speculative import SpeculativeStats
+
+    stats = SpeculativeStats()
+    stats.record(4, 4)  # all four drafts kept: 5 tokens
+    stats.record(2, 0)  # lookup found 2 tokens, the first rejected: 1 token
+    r = speculative_ngram.row(stats, n_out=10, k=4)  # 1 from prefill, 6 from the verify steps, 3 plain steps
+    assert r["decode_forwards"] == 5 and r["verify_steps"] == 2
+    assert r["proposal_rate"] == pytest.approx(2 / 5)
+    assert r["alpha"] == pytest.approx(4 / 5)  # 4 accepted of 5 checked
+    assert r["draft_lengths"] == {4: 1, 2: 1}
+    e = lambda j: arithmetic.expected_tokens_per_step(0.8, j)  # noqa: E731
+    assert r["formula_at_k"] == pytest.approx(e(4))
+    assert r["formula_at_draft_lengths"] == pytest.approx((e(4) + e(2)) / 2)
+    assert r["tokens_per_decode_forward"] == pytest.approx(9 / 5)
+    assert r["predicted_tokens_per_decode_forward"] == pytest.approx(0.4 * (e(4) + e(2)) / 2 + 0.6)
