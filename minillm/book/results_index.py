@@ -137,6 +137,8 @@ CLAIMS: dict[str, dict[str, str]] = {
     },
     "06": {
         "quant_quality/cpu.json": "perplexity and KL of int8 and int4 weights on the shipped model",
+        "quant_quality/cpu_smollm2.json": "SmolLM2-135M from its Q4_1 file: every method on the book's prose, a second "
+                                          "rounding of 4-bit weights",
         "w4a16/cuda.json": "the W4A16 kernel against bf16 and tinygemm, by batch (H100)",
         "kv_quant_decode/cuda.json": "int8 / fp8 KV cache: decode attention 1.1-1.3x over bf16 pools (H100)",
         "compression/cpu.json": "pruning to 50% and distilling the draft: perplexity and agreement",
