@@ -22,11 +22,22 @@ A row compared with a baseline other than the shipped model's names it ("baselin
 "baseline_engine"), beside the file's "baseline".
 
     python benchmarks/quality_gates.py       # ~12 min on 2 cores; writes results/quality_gates/cpu.json
+
+With `--model smollm2-135m-instruct` (a real chat model, above chance on the tasks) the gate runs on fewer
+documents (CPU time: each forward costs about 12x the shipped model's) and adds two metrics a real deployment
+gates on: `json_objects`, the share of greedy chat answers that parse as a JSON object and match the asked-for
+schema (`minillm.eval.json_success`), and `needle`, retrieval of a number hidden in 512-2048 tokens of text
+(`minillm.eval.long_context.needle_retrieval`), measured for the baseline and the KV-cache rows, through the
+quantised cache. Rows: int8 and int4 (groups of 64: 576 columns) weights, the KV cache in int8 and fp8.
+
+    python benchmarks/quality_gates.py --model smollm2-135m-instruct   # ~25 min; results/quality_gates/cpu_smollm2.json
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+from pathlib import Path
 
 import torch
 from common import write_results
@@ -41,11 +52,13 @@ from minillm.eval import (
     exact_match,
     greedy_agreement,
     greedy_tokens,
+    json_success,
     load_task,
     multiple_choice,
     perplexity,
     with_key_outliers,
 )
+from minillm.eval.long_context import needle_prompts, needle_retrieval
 from minillm.quant import quantize, quantize_by_name
 from minillm.quant.calibration import validation_ids
 from minillm.sampler.speculative import SpeculativeConfig
@@ -84,12 +97,79 @@ def report(name: str, results: dict, baseline: dict) -> dict:
              ("last_word", "last_word", "exact_match", ".3f"), ("top-1", "agreement", "top1_agreement", ".3f"),
              ("KL", "agreement", "kl_divergence", ".4f"), ("greedy", "greedy", "greedy_match", ".3f"),
              ("prefix", "greedy", "greedy_prefix", ".3f")]
+    shown += [("json", "json_objects", "json_valid", ".3f"), ("schema", "json_objects", "schema_match", ".3f"),
+              ("needle", "needle", "needle_accuracy", ".3f")]
     cells = [f"{label} {m[task][metric]:{fmt}}" for label, task, metric, fmt in shown if task in m]
     print(f"{name:<24} {'  '.join(cells)}  -> {'FAIL ' + ', '.join(failed) if failed else 'pass'}", flush=True)
     return {"results": results["results"], "failed": failed}
 
 
-def main() -> None:
+def measure_real(model, tokenizer, reference, val_ids, s: dict, kv_cache_dtype: str = "auto",  # noqa: ANN001
+                 needles: list[dict] | None = None) -> dict:
+    """The gate's metrics for a real chat model, at the settings `s`; the teacher-forced ones (and the needle)
+    through the engine's KV cache when kv_cache_dtype is not "auto"."""
+    scored = ThroughKVCache(model, kv_cache_dtype) if kv_cache_dtype != "auto" else model
+    task = load_task("next_line")
+    task.docs = task.docs[: s["next_line_docs"]]
+    json_task = load_task("json_objects")
+    json_task.docs = json_task.docs[: s["json_docs"]]
+    llm = LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype, num_blocks=256)
+    results = {
+        "perplexity": {"perplexity": perplexity(scored, val_ids, max_windows=s["perplexity_windows"])},
+        "next_line": multiple_choice(scored, tokenizer, task),
+        "json_objects": json_success(llm, json_task, max_tokens=s["json_max_tokens"]),
+        "agreement": agreement(scored, reference, val_ids, max_windows=s["agreement_windows"])}
+    if needles is not None:
+        results["needle"] = needle_retrieval(scored, tokenizer, needles)
+    return {"results": results}
+
+
+def main_real(name: str, limit: float = 1.0) -> None:
+    """The gate on a real chat model (see the module); `limit` scales the document counts (tests run it tiny)."""
+    torch.set_num_threads(2)
+    reference, tokenizer = minillm.load(name)
+    val_ids = validation_ids(tokenizer)
+    n_json = len(load_task("json_objects").docs)
+    s = {"model": name, "perplexity_windows": max(1, round(4 * limit)), "agreement_windows": max(1, round(2 * limit)),
+         "next_line_docs": max(2, round(24 * limit)), "json_docs": max(2, round(n_json * min(limit, 1.0))),
+         "json_max_tokens": 48, "needle_lengths": [512, 2048] if limit >= 1 else [64],
+         "needle_depths": [0.0, 0.5, 1.0] if limit >= 1 else [0.0]}
+    haystack = (Path(minillm.__file__).parent / "data" / "shakespeare_val.txt").read_text()
+    needles = needle_prompts(tokenizer, haystack, s["needle_lengths"], s["needle_depths"])
+    task = load_task("next_line")
+    chance = sum(1 / len(d["choices"]) for d in task.docs[: s["next_line_docs"]]) / s["next_line_docs"]
+    baseline = measure_real(reference, tokenizer, reference, val_ids, s, needles=needles)
+    report("baseline", baseline, baseline)
+    changes = {"int8": (lambda m: quantize_by_name(m, "int8"), "auto"),
+               "int4 g64": (lambda m: quantize(m, "rtn", bits=4, group_size=64), "auto"),  # 576 columns: not 128
+               "kv int8": (None, "int8"), "kv fp8": (None, "fp8")}
+    rows = {}
+    for row, (weights, kv) in changes.items():
+        model = copy.deepcopy(reference)
+        if weights is not None:
+            weights(model)
+        through_cache = kv != "auto"  # the needle reads a long context back from the cache: the KV rows' check
+        results = measure_real(model, tokenizer, reference, val_ids, s, kv, needles if through_cache else None)
+        base = baseline if through_cache else {"results": {k: v for k, v in baseline["results"].items()
+                                                            if k != "needle"}}
+        rows[row] = report(row, results, base)
+    out = "quality_gates/cpu_" + name.split("-")[0]
+    path = write_results(out, {
+        "benchmark": f"the book's quality gate on a real chat model, {name}",
+        "settings": s | {"next_line_chance": chance, "kv_rows_scored_through_cache": True,
+                         "needle_only_on_kv_rows": True},
+        "baseline": baseline["results"], "changes": rows})
+    print("wrote", path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=minillm.DEFAULT_MODEL, help="the shipped model (default) or "
+                        "smollm2-135m-instruct: a real chat model, with the JSON and needle checks")
+    parser.add_argument("--limit", type=float, default=1.0, help="scale the real model's document counts")
+    args = parser.parse_args(argv)
+    if args.model != minillm.DEFAULT_MODEL:
+        return main_real(args.model, args.limit)
     torch.set_num_threads(2)
     reference, tokenizer = minillm.load(minillm.DEFAULT_MODEL)
     val_ids = validation_ids(tokenizer)

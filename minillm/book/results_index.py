@@ -147,6 +147,8 @@ CLAIMS: dict[str, dict[str, str]] = {
         "speculative_verify_cost/cuda.json": "the verify cost v_k of k + 1 positions, in decode steps (H100)",
         "speculative/cpu.json": "acceptance, tokens per step and speed-up for k = 1..8 on the CPU",
         "speculative/cuda.json": "the same on an H100: speculation does not pay for the 11M target",
+        "speculative_ngram/cpu_smollm2.json": "n-gram lookup on SmolLM2: grounded prompts against a story, the "
+                                              "formula with steps that draft nothing",
     },
     "08": {
         "tensor_parallel/cpu.json": "TP = 1, 2 on two CPU cores: the step and its all-reduces",
@@ -161,6 +163,8 @@ CLAIMS: dict[str, dict[str, str]] = {
     },
     "09": {
         "quality_gates/cpu.json": "the quality gate over the book's changes to the shipped model",
+        "quality_gates/cpu_smollm2.json": "the gate on SmolLM2, with JSON success and a needle through the 8-bit KV "
+                                          "caches",
         "phases/cuda_llama-3-8b.json": "measured prefill times, for the cost of a long context",
         "long_context/cpu.json": "key-value lookup beyond the training length, with RoPE rescalings",
         "roofline/cuda_h100.json": "the decision matrix's graphs row, and graphs falling back to eager",

@@ -23,11 +23,11 @@ from minillm.eval.cached import (
 from minillm.eval.gate import TOLERANCES, Row, compare, format_table
 from minillm.eval.perplexity import chi_squared_test, perplexity
 from minillm.eval.same_outputs import LOGPROB_ATOL, assert_same_outputs, output_differences
-from minillm.eval.tasks import Task, exact_match, load_task, loglikelihood, multiple_choice
+from minillm.eval.tasks import Task, exact_match, json_success, load_task, loglikelihood, multiple_choice
 
 __all__ = [
     "LOGPROB_ATOL", "TOLERANCES", "Row", "Task", "ThroughKVCache", "agreement", "assert_same_outputs",
     "cached_agreement", "cached_logits", "cached_perplexity", "chi_squared_test", "compare", "exact_match",
-    "format_table", "greedy_agreement", "greedy_tokens", "load_task", "loglikelihood", "multiple_choice",
-    "output_differences", "perplexity", "with_key_outliers",
+    "format_table", "greedy_agreement", "greedy_tokens", "json_success", "load_task", "loglikelihood",
+    "multiple_choice", "output_differences", "perplexity", "with_key_outliers",
 ]

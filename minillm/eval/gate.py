@@ -12,6 +12,14 @@ and fails a metric that moved the wrong way by more than its tolerance:
     kl_divergence     lower    +0.02 nats
     greedy_match      higher   -0.02 or 2 standard errors, whichever is larger
     greedy_prefix     higher   -0.02
+    json_valid        higher   -0.02 or 2 standard errors, whichever is larger
+    schema_match      higher   -0.02 or 2 standard errors, whichever is larger
+    needle_accuracy   higher   -0.02 or 2 standard errors, whichever is larger
+
+json_valid and schema_match (`minillm.eval.tasks.json_success`) are the share of greedy answers that hold a JSON
+object, and that also match the asked-for schema: a tool call that does not parse is a failed request, however
+little the perplexity moved. needle_accuracy (`minillm.eval.long_context.needle_retrieval`) is the share of
+needles a model retrieves from a long context, the check a KV-cache format must pass.
 
 greedy_match and greedy_prefix (`minillm.eval.cached.greedy_agreement`) compare an engine's greedy generations
 with the plain engine's: they are for changes meant to be exact (speculative decoding, a new kernel), whose
@@ -38,6 +46,9 @@ TOLERANCES: dict[str, tuple[str, float, bool]] = {
     "kl_divergence": ("lower", 0.02, False),
     "greedy_match": ("higher", 0.02, False),
     "greedy_prefix": ("higher", 0.02, False),
+    "json_valid": ("higher", 0.02, False),
+    "schema_match": ("higher", 0.02, False),
+    "needle_accuracy": ("higher", 0.02, False),
 }
 
 

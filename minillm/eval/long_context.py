@@ -169,3 +169,62 @@ def context_table(model: Transformer, s: LookupSettings, lengths: list[int], kin
     """Accuracy at each length for each rescaling, the factor being length / training length (at least 1)."""
     return {kind: {L: accuracy(rescaled(model, kind, max(1.0, L / s.train_len)), s, L, n) for L in lengths}
             for kind in kinds}
+
+
+# ------------------------------------------------------------------ a needle in a haystack, on a real chat model
+NEEDLE_SENTENCE = "The secret number is {number}."
+NEEDLE_QUESTION = "What is the secret number in the text above?"
+NEEDLE_ANSWER_PREFIX = "The secret number is"  # the answer's start, given, so the number is its next tokens
+
+
+def needle_prompts(tokenizer: object, haystack: str, lengths: list[int], depths: list[float], seed: int = 0
+                   ) -> list[dict]:
+    """One retrieval prompt per (length, depth): whole lines of `haystack` (`length` tokens of them, about), with
+    NEEDLE_SENTENCE and a random 5-digit number inserted between the lines at `depth` (0: the first line, 1: after
+    the last, next to the question), then NEEDLE_QUESTION, in the model's chat template, the assistant's answer
+    begun with NEEDLE_ANSWER_PREFIX. Returns dicts of length, depth, number, context, continuation (" 12345")."""
+    from minillm.tokenizer import apply_chat_template
+
+    lines = haystack.splitlines()
+    counts = [len(tokenizer.encode(line + "\n")) for line in lines]
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length in lengths:
+        n, total = 0, 0
+        while n < len(lines) and total + counts[n] <= length:
+            total += counts[n]
+            n += 1
+        if total < length // 2:
+            raise ValueError(f"the haystack holds {sum(counts)} tokens: too few for a context of {length}.")
+        for depth in depths:
+            if not 0.0 <= depth <= 1.0:
+                raise ValueError(f"a depth is a share of the context, 0 to 1; got {depth}.")
+            number = str(int(torch.randint(10_000, 100_000, (1,), generator=g)))
+            body = lines[:n]
+            body.insert(round(depth * n), NEEDLE_SENTENCE.format(number=number))
+            message = "\n".join(body) + "\n\n" + NEEDLE_QUESTION
+            context = apply_chat_template([{"role": "user", "content": message}], tokenizer) + NEEDLE_ANSWER_PREFIX
+            prompts.append({"length": length, "depth": depth, "number": number, "context": context,
+                            "continuation": " " + number})
+    return prompts
+
+
+def needle_retrieval(model: Transformer, tokenizer: object, prompts: list[dict]) -> dict:
+    """needle_accuracy: the share of `prompts` (`needle_prompts`) whose number greedy decoding would write after the
+    answer's prefix, every digit (`minillm.eval.loglikelihood`'s is_greedy), with its standard error; and the
+    accuracy by length and by depth. Pass `ThroughKVCache(model, "int8")` to read the context back from a quantised
+    KV cache, as the engine would."""
+    from minillm.eval.tasks import loglikelihood, share_with_stderr
+
+    scores = loglikelihood(model, tokenizer, [(p["context"], p["continuation"]) for p in prompts], batch_size=1)
+    hits = [greedy for _, greedy in scores]
+    p, err = share_with_stderr(hits)
+
+    def by(key: str) -> dict[str, float]:
+        groups: dict[str, list[bool]] = {}
+        for prompt, hit in zip(prompts, hits):
+            groups.setdefault(str(prompt[key]), []).append(hit)
+        return {k: sum(v) / len(v) for k, v in groups.items()}
+
+    return {"needle_accuracy": p, "needle_accuracy_stderr": err, "prompts": len(hits), "by_length": by("length"),
+            "by_depth": by("depth")}

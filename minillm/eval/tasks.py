@@ -1,4 +1,4 @@
-"""Scored tasks over small local files: log-likelihood multiple choice and exact match (chapter 09).
+"""Scored tasks over small local files: log-likelihood multiple choice, exact match and JSON answers (chapter 09).
 
 The conventions are lm-evaluation-harness's (Gao et al., EleutherAI), so the numbers read the same way:
 
@@ -14,6 +14,12 @@ The conventions are lm-evaluation-harness's (Gao et al., EleutherAI), so the num
   the answer (lm-eval reaches the same with a "take the first match" filter). A context should not end in a
   space: a byte-level BPE tokenizer puts a word's space in front of it, so the model continues " word".
 
+- a JSON document asks, in one chat message, for a JSON object with given keys (a tool call's arguments, a form);
+  `json_success` answers it greedily through the model's chat template and checks the answer: `json_valid` is the
+  share whose answer holds a JSON object (the first `{` onwards, parsed by `json.JSONDecoder.raw_decode`, so a
+  code fence or a sentence around it is forgiven, as tool-call parsers forgive it), `schema_match` the share whose
+  object also validates against the document's JSON Schema (`jsonschema`, draft 2020-12).
+
 Every metric comes with its standard error, sqrt(p (1 - p) / (n - 1)) for a share, as lm-eval reports it:
 a gate (`minillm.eval.gate`) should not fail a change for moving a metric by less than its noise.
 
@@ -21,6 +27,7 @@ A task file is JSON lines, one document a line:
 
     {"context": "...", "choices": ["...", "..."], "gold": 0}       multiple choice
     {"context": "...", "answer": "...", "until": ["\\n"]}           exact match
+    {"context": "...", "schema": {"type": "object", ...}}          a JSON answer (`json_success`)
 
     task = load_task("minillm/data/tasks/next_line.jsonl")
     scores = multiple_choice(model, tokenizer, task)    # {"acc": ..., "acc_stderr": ..., "acc_norm": ...}
@@ -84,14 +91,16 @@ def load_task(path: str | Path) -> Task:
             if not isinstance(until, list) or not all(isinstance(u, str) and u for u in until):
                 raise ValueError(f"{path.name}, line {number}: 'until' must be a list of non-empty stop strings.")
             kinds.add("exact_match")
+        elif isinstance(doc.get("schema"), dict):
+            kinds.add("json_schema")
         else:
-            raise ValueError(f"{path.name}, line {number}: a document needs 'choices' and 'gold' (multiple choice) "
-                             "or 'answer' (exact match).")
+            raise ValueError(f"{path.name}, line {number}: a document needs 'choices' and 'gold' (multiple choice), "
+                             "'answer' (exact match) or 'schema' (a JSON answer).")
         docs.append(doc)
     if not docs:
         raise ValueError(f"{path.name} holds no documents.")
     if len(kinds) > 1:
-        raise ValueError(f"{path.name} mixes multiple-choice and exact-match documents: keep one kind per file.")
+        raise ValueError(f"{path.name} mixes kinds of documents ({', '.join(sorted(kinds))}): keep one kind per file.")
     return Task(path.stem, kinds.pop(), docs)
 
 
@@ -168,3 +177,43 @@ def exact_match(llm: object, task: Task, max_tokens: int = 16) -> dict[str, floa
             for o, d in zip(outs, task.docs)]
     p, err = share_with_stderr(hits)
     return {"exact_match": p, "exact_match_stderr": err, "docs": len(task.docs)}
+
+
+def parse_json_object(text: str) -> dict | None:
+    """The JSON object an answer holds: parsed from its first `{` (what follows the object is ignored), or None."""
+    start = text.find("{")
+    if start < 0:
+        return None
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text[start:])
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def json_success(llm: object, task: Task, max_tokens: int = 64, chat: bool = True) -> dict[str, float]:
+    """json_valid and schema_match, with their standard errors, over a task of JSON documents (see the module).
+
+    Each document's context is sent greedily through `llm` (a `minillm.LLM`): as one user message through the
+    model's chat template (`LLM.chat`) when chat, else as a raw prompt. An answer cut by max_tokens before its
+    object closes does not parse, and counts as a failure, as it would for a tool call."""
+    try:
+        from jsonschema import Draft202012Validator
+    except ImportError:
+        raise ImportError("json_success checks answers with jsonschema: pip install jsonschema") from None
+    from minillm.sampler.sampling import SamplingParams
+
+    if task.kind != "json_schema":
+        raise ValueError(f"task {task.name!r} is {task.kind}, not a JSON task: its documents need a 'schema'.")
+    validators = [Draft202012Validator(d["schema"]) for d in task.docs]  # a bad schema fails here, before generating
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": d["context"]}] for d in task.docs], params, use_tqdm=False)
+    else:
+        outs = llm.generate([d["context"] for d in task.docs], params, use_tqdm=False)
+    objects = [parse_json_object(o.text) for o in outs]
+    valid = [obj is not None for obj in objects]
+    match = [obj is not None and v.is_valid(obj) for obj, v in zip(objects, validators)]
+    (v, v_err), (m, m_err) = share_with_stderr(valid), share_with_stderr(match)
+    return {"json_valid": v, "json_valid_stderr": v_err, "schema_match": m, "schema_match_stderr": m_err,
+            "docs": len(task.docs)}

@@ -88,7 +88,7 @@ def test_a_bad_task_file_names_the_line_and_the_problem(tmp_path, line, message)
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=message):
         load_task(path)
-    with pytest.raises(FileNotFoundError, match="the book's tasks are: last_word, next_line"):
+    with pytest.raises(FileNotFoundError, match="the book's tasks are: json_objects, last_word, next_line"):
         load_task("no_such_task")
 
 
