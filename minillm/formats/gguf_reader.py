@@ -19,7 +19,6 @@ Every weight is dequantised to floats: the quantised bytes are not kept (minillm
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,14 +357,3 @@ def read_gguf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_metadata(reader, meta, config) if has_vocab else None
     return config, tensors, tokenizer
-
-
-def describe(path: str | Path) -> dict[str, Any]:
-    """What a GGUF file holds, without reading its weights: metadata (minus the vocabulary) and tensor types."""
-    reader = GGUFFile(Path(path))
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        types[t.kind] = types.get(t.kind, 0) + 1
-    parameters = sum(int(np.prod(t.shape)) for t in reader.tensors)
-    meta = {k: v for k, v in metadata(reader).items() if k != "tokenizer.chat_template"}
-    return {"metadata": json.loads(json.dumps(meta, default=str)), "tensor_types": types, "parameters": parameters}

@@ -63,6 +63,37 @@ def calibration_ids(tokenizer: Tokenizer, n_seqs: int = 32, seq_len: int = 256, 
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
 
 
+@contextmanager
+def recording_inputs(
+    modules: dict[str, nn.Module],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.add,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """While inside, record what enters each of `modules` (forward pre-hooks); on exit the yielded dict holds
+    {name: inputs [n_rows, in_features] fp32}, or reduce(inputs of one call) combined over calls by `combine`."""
+    found: dict[str, list[torch.Tensor] | torch.Tensor] = {name: [] for name in modules}
+
+    def hook_for(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1]).cpu()
+            if reduce is None:
+                found[name].append(x)
+            else:
+                value = reduce(x)
+                found[name] = value if isinstance(found[name], list) else combine(found[name], value)
+
+        return hook
+
+    result: dict[str, torch.Tensor] = {}
+    handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
+    try:
+        yield result
+    finally:
+        for handle in handles:
+            handle.remove()
+    result.update({name: torch.cat(v) if isinstance(v, list) else v for name, v in found.items()})
+
+
 @torch.no_grad()
 def capture_inputs(
     model: nn.Module,
@@ -78,28 +109,11 @@ def capture_inputs(
     one batch) combined over batches by `combine` (default: summed; e.g. X^T X for GPTQ, so that the
     inputs never all sit in memory; or the per-channel absmax with combine=torch.maximum).
     """
-    found: dict[str, list[torch.Tensor] | torch.Tensor] = {name: [] for name in modules}
-
-    def hook_for(name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1]).cpu()
-            if reduce is None:
-                found[name].append(x)
-            else:
-                value = reduce(x)
-                found[name] = value if isinstance(found[name], list) else combine(found[name], value)
-
-        return hook
-
-    handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
-    try:
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device
+    with recording_inputs(modules, reduce, combine) as found:
         for start in range(0, len(ids), batch_size):
             model(ids[start : start + batch_size].to(device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: torch.cat(v) if isinstance(v, list) else v for name, v in found.items()}
+    return found
 
 
 def blocks_in_order(model: nn.Module) -> list[dict[str, nn.Linear]]:
@@ -173,33 +187,15 @@ class BlockByBlock:
         combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.add,
     ) -> dict[str, torch.Tensor]:
         """What enters each of `modules` (all in the current block) when it runs; as `capture_inputs` returns it."""
-        found: dict[str, list[torch.Tensor] | torch.Tensor] = {name: [] for name in modules}
         layer = self.layers[self.index]
         inside = {id(m) for m in layer.modules()}
         outside = [name for name, m in modules.items() if id(m) not in inside]
         if outside:
             raise ValueError(f"{outside} are not in block {self.index}, the block this runner is at.")
-
-        def hook_for(name: str) -> Callable:
-            def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-                x = args[0].detach().float().reshape(-1, args[0].shape[-1]).cpu()
-                if reduce is None:
-                    found[name].append(x)
-                else:
-                    value = reduce(x)
-                    found[name] = value if isinstance(found[name], list) else combine(found[name], value)
-
-            return hook
-
-        handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
-        try:
-            with torch.no_grad(), _plain_blocks():
-                for x, rest in self.states:
-                    layer(x, *rest)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return {name: torch.cat(v) if isinstance(v, list) else v for name, v in found.items()}
+        with recording_inputs(modules, reduce, combine) as found, torch.no_grad(), _plain_blocks():
+            for x, rest in self.states:
+                layer(x, *rest)
+        return found
 
     def advance(self) -> None:
         """Run the current block (as it is now, quantised or not) on its inputs: they become the next block's."""
