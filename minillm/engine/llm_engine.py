@@ -147,8 +147,8 @@ class LLMEngine:
         cuda_graphs: replay decode-only forwards as CUDA graphs (`minillm.engine.cuda_graphs`), captured here,
             as the engine starts, for every batch size up to max_num_seqs. Default: on wherever they can run
             (a CUDA model, Triton, no sliding window); True where they cannot raises a ValueError. If
-            capture fails, the engine logs why and runs eagerly. Off with speculative decoding (its verify
-            forwards score several tokens per row).
+            capture fails, the engine logs why and runs eagerly. With speculative decoding the verify steps are
+            captured too, by token bucket (`ModelRunner.verify_logits`).
         speculative: draft and verify decode tokens (`minillm.sampler.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
         compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
@@ -218,10 +218,13 @@ class LLMEngine:
                       c.kv_cache_dtype)  # with tensor parallelism, rank 0's heads (each rank's pool holds its own)
         self.cache = self.tp.paged_cache(*cache_args) if self.tp else PagedKVCache(*cache_args)
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens, c.enable_chunked_prefill)
-        no_graphs = ("speculative decoding is on (its verify forwards are not captured)" if c.speculative else
-                     "tensor parallelism is on (its steps run eagerly)" if self.tp else None)
+        no_graphs = "tensor parallelism is on (its steps run eagerly)" if self.tp else None
+        if c.compile_decode and c.speculative is not None:  # the compiled CPU step is decode-only: no verify steps
+            raise ValueError("compile_decode=True, but speculative decoding is on (the compiled CPU step runs decode "
+                             "rows only, and speculation turns them into verify steps). Drop one of the two.")
+        verify_tokens = c.max_num_seqs * (1 + c.speculative.num_speculative_tokens) if c.speculative else 0
         self.model_runner = ModelRunner(model, self.cache, c.max_num_seqs, c.cuda_graphs, no_graphs, c.compile_decode,
-                                        self.tp, c.max_num_batched_tokens)
+                                        self.tp, c.max_num_batched_tokens, verify_tokens)
         self.eos = default_eos_ids(model, tokenizer)
         self.last_step: SchedulerOutput | None = None  # the record of the latest step
         self.num_preemptions = 0  # sequences preempted since the start (the server's /metrics reports it)

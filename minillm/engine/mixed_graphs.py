@@ -26,6 +26,10 @@ through Triton's interpreter, tests/engine/test_mixed_graphs.py).
 
     graphs = MixedGraphs(model, cache, max_seqs=64, max_tokens=512)
     logits = graphs.run(["a", "b"], [[5, 6, 7], [9]])   # a's chunk of 3 beside b's decode token -> [2, vocab]
+
+With `every_token=True` the graphs return the logits of every new token, not each row's last: the verify step of
+speculative decoding (chapter 07), whose rows are [last token, draft 1..d] and need the target's logits at all
+1 + d positions (`ModelRunner.speculative_decode`).
 """
 
 from __future__ import annotations
@@ -66,14 +70,16 @@ class MixedGraphs:
     The pools' addresses are baked into the graphs: they serve this cache only. The padding tokens write to
     `pad_block` (the engine passes its decode graphs'), else to a block capture takes from the pool for as long as the
     object lives. `capture=False` runs the same code over the same buffers
-    eagerly (a test of the buffers without a graph).
+    eagerly (a test of the buffers without a graph). `every_token`: `run` returns the logits of every new token
+    [N, vocab], in the step's order (speculative verify), instead of each row's last [rows, vocab].
     """
 
     capture_seconds = 0.0
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int, max_tokens: int,
-                 capture: bool = True, pad_block: int | None = None) -> None:
+                 capture: bool = True, pad_block: int | None = None, every_token: bool = False) -> None:
         self.model, self.cache, self.capture, self.P = model, cache, capture, max_seqs
+        self.every_token = every_token
         self.sizes = token_buckets(max_tokens)
         bs, n = cache.block_size, self.sizes[-1]
         self.max_seq_len = min(model.config.max_seq_len, (cache.allocator.num_blocks - 1) * bs)
@@ -108,11 +114,12 @@ class MixedGraphs:
 
     def _step(self, size: int) -> torch.Tensor:
         """The recorded work: the model over the bucket's `size` tokens -> logits [P, vocab], row b the last new
-        token of sequence b (padding sequences' rows are garbage). The view is made inside the recording."""
+        token of sequence b (padding sequences' rows are garbage); with `every_token`, [size, vocab], one row per
+        token. The view is made inside the recording."""
         packed = PackedInputs(self.part(0, size)[None], self.part(1, size)[None], self.part(2, size),
                               self.vector[:0], self.part(3), self.part(4), (), (), self.tables, self.part(5))
         view = PackedCacheView(self.cache, packed, [], [], max_queries=size)
-        return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[0]
+        return self.model(view.tokens, view.position_ids, cache=view, last_only=not self.every_token)[0]
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -136,7 +143,8 @@ class MixedGraphs:
     @torch.inference_mode()
     def run(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
             previous: torch.Tensor | None = None, allocated: bool = False) -> torch.Tensor:
-        """One packed step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab]: fill the buffers, replay
+        """One packed step, token_ids[b] after seq_ids[b] -> logits [len(seq_ids), vocab] (with `every_token`:
+        [N, vocab] for the step's N tokens, row b's at N_0 + ... + N_(b-1) onwards): fill the buffers, replay
         the smallest bucket that holds the step, then commit the tokens to their tables (after the launch). A
         negative token is still on the device (async scheduling): it is taken from `previous`."""
         if not self.fits(seq_ids, token_ids):
@@ -164,10 +172,11 @@ class MixedGraphs:
         self.send_tables(a.block_tables, self.tables[:n_rows, : a.block_tables.shape[1]])
         if previous is not None:
             swap_inflight(self.part(0, size), previous)
+        rows = n if self.every_token else n_rows
         if self.capture:
             self.graphs[size].replay()
-            logits = self.outputs[size][:n_rows].clone()  # the output buffer is rewritten by the next replay
+            logits = self.outputs[size][:rows].clone()  # the output buffer is rewritten by the next replay
         else:
-            logits = self._step(size)[:n_rows]
+            logits = self._step(size)[:rows]
         cache.commit(tables, [list(t) for t in token_ids])
         return logits

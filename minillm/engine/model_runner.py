@@ -37,9 +37,14 @@ from minillm.engine.sequence import swap_inflight
 from minillm.model import Transformer
 from minillm.sampler.constrained import mask_logits
 from minillm.sampler.sampling import compute_logprobs, logprob_tensors, sample
+from minillm.sampler.speculative import verify_greedy
 from minillm.utils import to_device
 
 log = logging.getLogger("minillm")
+
+# The largest verify step captured as a graph, in tokens: its logits buffer is [tokens, vocab] (256 MB at 1,024
+# tokens and Llama-3's 128k vocabulary in bf16); a larger step (many rows of long drafts) runs eagerly.
+MAX_VERIFY_GRAPH_TOKENS = 1024
 
 
 class SampledTokens(NamedTuple):
@@ -121,7 +126,7 @@ def split_rows(token_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int]
 @torch.inference_mode()
 def paged_forward(
     model: Transformer, cache: PagedKVCache, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-    previous: torch.Tensor | None = None, packed: bool = False,
+    previous: torch.Tensor | None = None, packed: bool = False, every_token: bool = False,
 ) -> torch.Tensor:
     """One eager forward of the model over new tokens of several sequences of `cache` (chapter 04).
 
@@ -132,12 +137,15 @@ def paged_forward(
 
     packed: the new tokens side by side in one row, [1, sum of lengths], instead of a left-padded batch [B, T]
     (`minillm.engine.kv_cache.PackedCacheView`): no padding in any matrix multiply, the same logits. For prompt
-    chunks; not for a model with a sliding window.
+    chunks; not for a model with a sliding window. every_token (packed only): the logits of every new token,
+    [sum of lengths, vocab], row b's after rows 0..b-1's (a speculative verify step needs them all).
     """
+    if every_token and not packed:
+        raise ValueError("every_token=True needs packed=True: the logits of every token come from the packed row.")
     view = cache.prepare(seq_ids, token_ids, packed=packed)
     if previous is not None:
         swap_inflight(view.tokens, previous)
-    logits = model(view.tokens, cache=view, last_only=True)  # [B, 1, V], or packed [1, P, V]
+    logits = model(view.tokens, cache=view, last_only=not every_token)  # [B, 1, V], packed [1, P or N, V]
     return logits[0] if packed else logits[:, -1]
 
 
@@ -172,7 +180,7 @@ class ModelRunner:
             start-up rather than by the first step that decodes, as vLLM does). None: wherever they can run (a
             CUDA model, Triton, no sliding window); True where they cannot raises a ValueError saying why. If
             capture fails, the runner logs why and runs eagerly.
-        no_graphs_reason: a reason of the caller's to run eagerly (the engine's: speculative decoding).
+        no_graphs_reason: a reason of the caller's to run eagerly (the engine's: tensor parallelism).
         compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
             (`minillm.engine.compiled_step.CompiledDecode`): the CPU's counterpart of CUDA graphs, compiled at
             the first decode step (seconds), then faster every step.
@@ -180,6 +188,8 @@ class ModelRunner:
             every forward runs on all its ranks through its `forward`.
         max_num_batched_tokens: the scheduler's token budget, the largest step the mixed-step graphs capture
             (`minillm.engine.mixed_graphs`, with CUDA graphs and attention reading the pools in place).
+        verify_tokens: with speculative decoding, the most tokens of a verify step (max_num_seqs x (1 + k)): its
+            graphs are captured up to that many (at most `MAX_VERIFY_GRAPH_TOKENS`) beside the others.
 
     `lora`, set by `LLMEngine.add_lora`: the `minillm.lora.LoRASlots` of the model's `LoRALinear` layers, or None.
     A forward whose rows name adapters runs under `lora.rows(...)`, eagerly: CUDA graphs (and the compiled CPU
@@ -188,7 +198,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
                  no_graphs_reason: str | None = None, compile_decode: bool = False,
-                 tp: ModelGroup | None = None, max_num_batched_tokens: int = 512) -> None:
+                 tp: ModelGroup | None = None, max_num_batched_tokens: int = 512, verify_tokens: int = 0) -> None:
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
         self.paged_forward = paged_forward if tp is None else tp.forward
         reason = graphs_unavailable(model) or no_graphs_reason
@@ -219,6 +229,15 @@ class ModelRunner:
                 self.mixed_graphs = MixedGraphs(model, cache, max_num_seqs, max_num_batched_tokens, pad_block=pad)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
                 log.warning("capturing mixed steps failed, running them eagerly: %s", error)
+        # Speculative verify steps (every row [last token, drafts]) captured too, returning every token's logits.
+        self.verify_graphs: MixedGraphs | None = None
+        if verify_tokens and self.use_cuda_graphs and self.packed_in_place:
+            try:
+                pad = getattr(self.graphs, "pad_block", None)
+                most = min(verify_tokens, MAX_VERIFY_GRAPH_TOKENS)
+                self.verify_graphs = MixedGraphs(model, cache, max_num_seqs, most, pad_block=pad, every_token=True)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+                log.warning("capturing verify steps failed, running them eagerly: %s", error)
 
     # ------------------------------------------------------------------ running the model
     def forward(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
@@ -342,10 +361,14 @@ class ModelRunner:
 
         `speculative` is a `minillm.sampler.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
         verify rule) and `stats` its `SpeculativeStats`. Each row's last token (uncomputed, as in any decode
-        step) and its d <= k drafts go through the model together, [B, 1 + max d] left-padded; the logits at
-        those 1 + d positions are p_1 .. p_{d+1}. The verify rule keeps a accepted drafts and adds one token;
-        the cache keeps the last token and the a drafts, and `PagedKVCache.truncate` returns the rejected
-        ones' slots.
+        step) and its d <= k drafts go through the model together (`verify_logits`); the logits at those 1 + d
+        positions are p_1 .. p_{d+1}. The verify rule keeps a accepted drafts and adds one token; the cache keeps
+        the last token and the a drafts, and `PagedKVCache.truncate` returns the rejected ones' slots.
+
+        A step whose rows are all plain greedy (`greedy_row`, exact acceptance) is judged in one batch: the target's
+        argmax and its log-probability at every position on the device (`minillm.kernels.greedy_argmax` on a GPU),
+        one copy to the host, then `verify_greedy` per row on those ids. Other rows run `SpeculativeConfig.accept`
+        (speculative sampling) row by row.
         """
         ids = [s.seq_id for s in seqs]
         ks = [min(speculative.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
@@ -361,19 +384,57 @@ class ModelRunner:
                 proposed.append((list(draft.tokens), draft.probs))
             except NoFreeBlocksError:
                 proposed.append(([], None))  # no room for drafts: a plain decode step for this row
-        view = self.cache.prepare(ids, [[s.all_token_ids[-1], *d] for s, (d, _) in zip(seqs, proposed)])
-        logits = self.model(view.tokens, cache=view)  # [B, T, V], row b's positions are its last 1 + d_b columns
-        results = []
-        for b, (seq, (draft, q)) in enumerate(zip(seqs, proposed)):
-            raw = logits[b, logits.shape[1] - 1 - len(draft):]  # [1 + d, V]
-            tokens = speculative.accept(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, draft, q,
-                                        seq.generator)
+        rows = [[s.all_token_ids[-1], *d] for s, (d, _) in zip(seqs, proposed)]
+        logits = self.verify_logits(ids, rows)  # one [1 + d_b, V] per row
+        batched = speculative.acceptance == "exact" and all(map(greedy_row, seqs))
+        if batched:  # every row greedy: the target's argmax at every position, in one copy to the host
+            targets, chosen = self._argmax(torch.cat(logits))
+            targets, chosen = targets.tolist(), chosen.tolist()
+        results, offset = [], 0
+        for seq, (draft, q), raw in zip(seqs, proposed, logits):
+            if batched:
+                tokens = verify_greedy(targets[offset: offset + len(raw)], draft)
+                logprobs = chosen[offset: offset + len(tokens)]  # every emitted token is the argmax at its position
+                tops: list[dict[int, float]] = [{} for _ in tokens]
+                offset += len(raw)
+            else:
+                tokens = speculative.accept(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, draft, q,
+                                            seq.generator)
+                lp = compute_logprobs(raw[: len(tokens)], torch.tensor(tokens, device=raw.device),
+                                      seq.params.logprobs or 0)
+                logprobs = lp.logprobs.tolist()
+                tops = [dict(zip(*t)) if seq.params.logprobs else {} for t in lp.top_logprobs]
             accepted = len(tokens) - 1
             if draft:
                 stats.record(len(draft), accepted)
             seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts are in the cache
             self.cache.truncate(seq.seq_id, seq.num_computed_tokens)
-            lp = compute_logprobs(raw[: len(tokens)], torch.tensor(tokens, device=raw.device), seq.params.logprobs or 0)
-            tops = [dict(zip(*t)) if seq.params.logprobs else {} for t in lp.top_logprobs]
-            results.append(SampledTokens(seq, tokens, lp.logprobs.tolist(), tops))
+            results.append(SampledTokens(seq, tokens, logprobs, tops))
         return results
+
+    def verify_logits(self, seq_ids: Sequence[Hashable], rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The target over each row's [last token, drafts] (slots already allocated) -> one [len(row), V] per row.
+
+        Packed in one row of every token (no padding), replayed as a CUDA graph of its token bucket where the verify
+        graphs hold the step (`MixedGraphs(every_token=True)`, captured when the runner is made for speculation),
+        else eager. A model with a sliding window (no packed attention) runs a left-padded batch [B, max len]."""
+        lengths = [len(r) for r in rows]
+        if self.packed_prompts:
+            if self.verify_graphs is not None and self.verify_graphs.fits(seq_ids, rows):
+                logits = self.verify_graphs.run(seq_ids, rows, allocated=True)
+            else:
+                logits = paged_forward(self.model, self.cache, seq_ids, rows, packed=True, every_token=True)
+            return list(logits.split(lengths))
+        view = self.cache.prepare(seq_ids, rows)
+        padded = self.model(view.tokens, cache=view)  # [B, T, V], row b's positions are its last len(row) columns
+        return [padded[b, padded.shape[1] - n:] for b, n in enumerate(lengths)]
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, V] -> (argmax [N], its log-probability [N]): Triton's kernels on a GPU, PyTorch elsewhere."""
+        if greedy_kernels_usable(logits):
+            from minillm.kernels import greedy_argmax
+
+            return greedy_argmax(logits)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.float().log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

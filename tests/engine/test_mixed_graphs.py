@@ -69,6 +69,34 @@ def test_fixed_buffers_give_the_eager_packed_steps_logits_and_cache():
         graphs.run([0, 1, 2], [[1] * 30, [1] * 30, [1] * 30])
 
 
+@torch.inference_mode()
+def test_every_token_buffers_give_the_eager_packed_logits_of_every_token():
+    """The verify step of speculative decoding (`every_token=True`): rows [last token, drafts] of lengths 1..5 after
+    prompts of different lengths, through the fixed buffers and through `paged_forward(packed=True,
+    every_token=True)`: one logits row per new token, equal within 1e-4 (fp32), the same tokens committed."""
+    device = "cuda" if CUDA else "cpu"
+    model, _ = minillm.load("shakespeare-1m", device=device, dtype=torch.float32)
+    rng = random.Random(4)
+    vocab = model.config.vocab_size
+    caches = [PagedKVCache(model.config, 48, 16, device=device) for _ in range(2)]
+    graphs = MixedGraphs(model, caches[0], max_seqs=4, max_tokens=32, capture=False, every_token=True)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (17, 3, 40)]
+    for cache in caches:
+        for i, prompt in enumerate(prompts):
+            cache.add_sequence(i)
+            paged_forward(model, cache, [i], [prompt])
+    for lengths in ((5, 1, 3), (2, 4, 1)):
+        rows = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+        fixed = graphs.run([0, 1, 2], rows)
+        eager = paged_forward(model, caches[1], [0, 1, 2], rows, packed=True, every_token=True)
+        assert fixed.shape == eager.shape == (sum(lengths), vocab)
+        torch.testing.assert_close(fixed, eager, atol=1e-4, rtol=1e-4)
+    for i in range(3):
+        assert caches[0].block_tables[i].token_ids == caches[1].block_tables[i].token_ids
+    with pytest.raises(ValueError, match="needs packed=True"):
+        paged_forward(model, caches[1], [0], [[1, 2]], every_token=True)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_the_engine_replays_mixed_steps_and_generates_what_it_did_eagerly(monkeypatch):
     """On a GPU the engine captures mixed steps (`ModelRunner.mixed_graphs`) and replays them: fp32, chunked prefill

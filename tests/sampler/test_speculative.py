@@ -191,6 +191,42 @@ def test_batched_speculation_equals_plain_batch(target, draft):
     assert not engine.speculative.drafter.cache.block_tables  # the drafter let go of every sequence
 
 
+def test_all_greedy_steps_are_judged_in_one_batch(target, draft, monkeypatch):
+    """Rows that are all plain greedy are verified from one batched argmax (`ModelRunner._argmax`), not row by row
+    through `SpeculativeConfig.accept`: the same tokens as plain greedy decoding, and the chosen tokens'
+    log-probabilities within 1e-4 of plain decoding's. A step with one sampled row goes back to the per-row rule."""
+    from minillm.engine.model_runner import ModelRunner
+
+    model, tok = target
+    prompts = [PROMPT, "KING HENRY:\nOnce more unto the breach", "To be, or not to be"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)  # the chosen tokens' only
+    calls = {"batched": 0, "per_row": 0}
+    real_argmax, real_accept = ModelRunner._argmax, SpeculativeConfig.accept
+
+    def counted_argmax(logits):
+        calls["batched"] += 1
+        return real_argmax(logits)
+
+    def counted_accept(self, *args, **kwargs):
+        calls["per_row"] += 1
+        return real_accept(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_argmax", staticmethod(counted_argmax))
+    monkeypatch.setattr(SpeculativeConfig, "accept", counted_accept)
+    plain = LLM(model, tok).generate(prompts, params, use_tqdm=False)
+    spec = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 3)).generate(
+        prompts, params, use_tqdm=False)
+    assert calls == {"batched": calls["batched"], "per_row": 0} and calls["batched"] > 0
+    for ours, theirs in zip(spec, plain):
+        assert ours.token_ids == theirs.token_ids
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=0)
+    calls.update(batched=0, per_row=0)
+    mixed = [params, SamplingParams(temperature=0.8, max_tokens=24, seed=1), params]
+    out = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 3)).generate(
+        prompts, mixed, use_tqdm=False)
+    assert calls["per_row"] > 0 and out[0].token_ids == plain[0].token_ids and out[2].token_ids == plain[2].token_ids
+
+
 def test_rollback_leaves_the_cache_as_a_fresh_one(target, draft):
     """Mid-generation, after verify steps that rejected drafts, every cached position holds what a fresh
     cache computed from the accepted tokens holds, and no block is held past them."""
@@ -319,16 +355,24 @@ def test_all_pairs_enumerated_sum_to_one(target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_speculative_on_cuda(dtype):
-    """On the GPU the verify forward (k + 1 tokens, gathered keys) and the decode step take different kernels:
+    """On the GPU the verify step (k + 1 tokens per row, replayed from the verify graphs, attention reading the pools)
+    and the decode step take different kernels:
     in fp32 the greedy output must still be plain greedy's; in bf16 it must agree at least until the first
     near-tie, which we allow to differ only after the first 16 tokens."""
     model, tok = minillm.load(minillm.DEFAULT_MODEL, device="cuda", dtype=dtype)
     draft, _ = minillm.load(minillm.DEFAULT_DRAFT, device="cuda", dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = minillm.generate(model, PROMPT, params, tok)
-    spec = minillm.generate(model, PROMPT, params, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 4))
+    llm = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 4))
+    verify_graphs = llm.engine.model_runner.verify_graphs
+    assert verify_graphs is not None, "speculation on a GPU captures its verify steps"
+    replays = []
+    real_run = verify_graphs.run
+    verify_graphs.run = lambda *a, **kw: replays.append(1) or real_run(*a, **kw)
+    spec = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert replays, "the verify steps replayed their graphs"
     if dtype == torch.float32:
         assert spec.token_ids == plain.token_ids
     else:
         assert spec.token_ids[:16] == plain.token_ids[:16]
-    assert spec.speculative.tokens_per_step > 1
+    assert llm.engine.spec_stats.tokens_per_step > 1
