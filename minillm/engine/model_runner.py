@@ -431,10 +431,16 @@ class ModelRunner:
 
     @staticmethod
     def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N, V] -> (argmax [N], its log-probability [N]): Triton's kernels on a GPU, PyTorch elsewhere."""
-        if greedy_kernels_usable(logits):
-            from minillm.kernels import greedy_argmax
+        """`argmax_on_device` (a method, so that a test can count the batched verify steps)."""
+        return argmax_on_device(logits)
 
-            return greedy_argmax(logits)
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.float().log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+def argmax_on_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (argmax [N], its log-probability [N]), both left on the device: minillm's greedy kernels on a
+    GPU (`minillm.kernels.greedy_argmax`), PyTorch elsewhere."""
+    if greedy_kernels_usable(logits):
+        from minillm.kernels import greedy_argmax
+
+        return greedy_argmax(logits)
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.float().log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

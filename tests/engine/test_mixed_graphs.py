@@ -97,6 +97,41 @@ def test_every_token_buffers_give_the_eager_packed_logits_of_every_token():
         paged_forward(model, caches[1], [0], [[1, 2]], every_token=True)
 
 
+@torch.inference_mode()
+def test_the_draft_models_fixed_buffer_path_drafts_what_the_eager_path_drafts():
+    """`DraftModelDrafter.propose_greedy` (the catch-up forward and the decode steps on fixed buffers, each draft fed
+    on the device) against the eager drafter, over rounds of a simulated verify step: three rows of different k,
+    prompts (one past the catch-up graphs' 256 tokens, so eager), then rows that accepted some drafts and feed
+    1 to k + 1 tokens (the catch-up graphs), then rows that all feed one (the decode graphs). The same drafts, the
+    same tokens in the draft's tables (no placeholder left)."""
+    from minillm.engine.draft_model import DraftModelDrafter
+
+    device = "cuda" if CUDA else "cpu"
+    model, _ = minillm.load("shakespeare-1m", device=device, dtype=torch.float32)
+    rng = random.Random(6)
+    vocab = model.config.vocab_size
+    fast = DraftModelDrafter(model, num_blocks=64, cuda_graphs=True, max_batch=4, capture=CUDA)
+    eager = DraftModelDrafter(model, num_blocks=64, cuda_graphs=False)
+    contexts = [[rng.randrange(vocab) for _ in range(n)] for n in (300, 9, 40)]
+    greedy = [minillm.SamplingParams(temperature=0)] * 3
+    used = []
+    real = fast.propose_greedy
+    fast.propose_greedy = lambda *a: used.append(1) or real(*a)
+    for ks in ([3, 1, 4], [4, 2, 4], [2, 4, 1], [4, 4, 4]):
+        ours = fast.propose([0, 1, 2], contexts, greedy, ks, [None] * 3)
+        theirs = eager.propose([0, 1, 2], contexts, greedy, ks, [None] * 3)
+        assert [d.tokens for d in ours] == [d.tokens for d in theirs]
+        assert [len(d.tokens) for d in ours] == ks and all(d.probs is None for d in ours)
+        for i in range(3):
+            assert fast.cache.block_tables[i].token_ids == eager.cache.block_tables[i].token_ids
+            assert min(fast.cache.block_tables[i].token_ids) >= 0
+            # the target kept some drafts, then added a token of its own; none in the third round, so that every row
+            # of the fourth feeds one token (its catch-up is a decode step)
+            accepted = 0 if ks == [2, 4, 1] else rng.randint(0, ks[i])
+            contexts[i] = contexts[i] + list(ours[i].tokens[:accepted]) + [rng.randrange(vocab)]
+    assert len(used) == 4 and fast.graphs is not None
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_the_engine_replays_mixed_steps_and_generates_what_it_did_eagerly(monkeypatch):
     """On a GPU the engine captures mixed steps (`ModelRunner.mixed_graphs`) and replays them: fp32, chunked prefill

@@ -376,3 +376,4 @@ def test_greedy_speculative_on_cuda(dtype):
     else:
         assert spec.token_ids[:16] == plain.token_ids[:16]
     assert llm.engine.spec_stats.tokens_per_step > 1
+    assert llm.engine.speculative.drafter.graphs is not None, "the greedy drafts took the draft's fast path"
