@@ -136,3 +136,24 @@ def test_speculative_ngram_accounts_for_steps_that_drafted_nothing_or_fewer_than
     assert r["formula_at_draft_lengths"] == pytest.approx((e(4) + e(2)) / 2)
     assert r["tokens_per_decode_forward"] == pytest.approx(9 / 5)
     assert r["predicted_tokens_per_decode_forward"] == pytest.approx(0.4 * (e(4) + e(2)) / 2 + 0.6)
+
+
+def test_speculative_controlled_construction_gives_the_acceptance_it_was_built_for(monkeypatch, tmp_path):
+    """The controlled-acceptance pair (tiny, CPU): the scripted target's greedy output follows its permutation, the
+    speculative engine gives the plain engine's tokens, and the measured alpha is near the one the script asked for
+    (0 exactly at 0; the prompt-lookup rows on the cycle accept every draft)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("speculative_controlled", None)
+    import speculative_controlled
+
+    out = tmp_path / "controlled"
+    assert speculative_controlled.main(["--tiny", "--alphas", "0", "0.8", "--ks", "4", "--batches", "1", "3",
+                                        "--prompt-len", "32", "--new-tokens", "64", "--repeats", "1",
+                                        "--name", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert all(p["follows_perm"] == 1.0 for p in data["plain"].values())
+    assert not data["errors"] and len(data["rows"]) == 4 and len(data["ngram"]) == 2
+    for row in data["rows"]:
+        assert row["tokens_equal_plain"]
+        assert row["measured_alpha"] == 0 if row["alpha"] == 0 else abs(row["measured_alpha"] - 0.8) < 0.15
+    assert all(r["tokens_equal_plain"] and r["measured_alpha"] == 1.0 for r in data["ngram"])
