@@ -355,8 +355,8 @@ def test_all_pairs_enumerated_sum_to_one(target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_speculative_on_cuda(dtype):
-    """On the GPU the verify step (k + 1 tokens per row, replayed from the verify graphs, attention reading the pools)
-    and the decode step take different kernels:
+    """On the GPU the verify forward (k + 1 tokens a row) and the decode step take different kernels, and the draft
+    (head_dim 32) drafts on its fast path, replayed graphs:
     in fp32 the greedy output must still be plain greedy's; in bf16 it must agree at least until the first
     near-tie, which we allow to differ only after the first 16 tokens."""
     model, tok = minillm.load(minillm.DEFAULT_MODEL, device="cuda", dtype=dtype)
@@ -364,16 +364,32 @@ def test_greedy_speculative_on_cuda(dtype):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = minillm.generate(model, PROMPT, params, tok)
     llm = LLM(model, tok, speculative=SpeculativeConfig(DraftModelDrafter(draft), 4))
-    verify_graphs = llm.engine.model_runner.verify_graphs
-    assert verify_graphs is not None, "speculation on a GPU captures its verify steps"
-    replays = []
-    real_run = verify_graphs.run
-    verify_graphs.run = lambda *a, **kw: replays.append(1) or real_run(*a, **kw)
     spec = llm.generate([PROMPT], params, use_tqdm=False)[0]
-    assert replays, "the verify steps replayed their graphs"
     if dtype == torch.float32:
         assert spec.token_ids == plain.token_ids
     else:
         assert spec.token_ids[:16] == plain.token_ids[:16]
     assert llm.engine.spec_stats.tokens_per_step > 1
     assert llm.engine.speculative.drafter.graphs is not None, "the greedy drafts took the draft's fast path"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("make", [lambda d: DraftModelDrafter(d), lambda d: NgramDrafter()], ids=["draft", "ngram"])
+def test_verify_steps_replay_their_graphs_on_cuda(make):
+    """A target whose attention runs minillm's kernels (shakespeare-1m, head_dim 32; the 11M model's 48 has none)
+    captures its verify steps (`ModelRunner.verify_graphs`) and replays them: fp32, greedy, a batch of prompts
+    that repeat themselves (prompt lookup finds drafts), the tokens of plain greedy decoding."""
+    model, tok = minillm.load(minillm.DEFAULT_DRAFT, device="cuda", dtype=torch.float32)
+    prompts = [PROMPT * 3, "To be, or not to be, that is the question. To be, or not to be"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model, tok).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, tok, speculative=SpeculativeConfig(make(model), 4))
+    verify_graphs = llm.engine.model_runner.verify_graphs
+    assert verify_graphs is not None, "speculation on a GPU captures its verify steps"
+    replays = []
+    real_run = verify_graphs.run
+    verify_graphs.run = lambda *a, **kw: replays.append(1) or real_run(*a, **kw)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert replays, "the verify steps replayed their graphs"
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.tokens_per_step > 1
