@@ -19,10 +19,12 @@ Random weights accept nothing, and the shipped 11M/1M pair is too small to be me
 Per alpha in {0, 0.6, 0.8, 0.9}, k in {2, 4, 8}, batch 1 and 8 (128-token random prompts, 256 new tokens each,
 greedy, `ignore_eos`): output tokens per second of the engine with speculation and of the same engine without it,
 the speed-up, and chapter 07's prediction E[tokens] / (v_k + k c), with c (a draft decode step over a target decode
-step) and v_k (the target's forward over k + 1 tokens a row over its decode step) measured in GPU kernel time at
-the same batch (`speculative_verify_cost.forward_ms`, 256 tokens of context), and E = (1 - alpha^(k+1)) / (1 - alpha)
-at the measured alpha. Plus prompt lookup (`NgramDrafter`: no draft model, c ~ 0) on prompts that walk a 64-token
-cycle of perm twice, so that the lookup always finds the target's continuation (alpha ~ 1).
+step) and v_k (the target's packed verify forward over k + 1 tokens a row, as the engine runs it, over its decode
+step) measured in GPU kernel time at the same batch (`speculative_verify_cost.forward_ms`, 256 tokens of context,
+eager, under torch.profiler): `arithmetic.speculative_speedup(alpha, k, c, v_k)`, with
+E = (1 - alpha^(k+1)) / (1 - alpha) at the measured alpha. Plus prompt lookup (`NgramDrafter`: no draft model,
+c ~ 0) on prompts that walk a 64-token cycle of perm twice, so that the lookup always finds the target's
+continuation (alpha ~ 1).
 
 The draft model's cache does not hold the scripted tokens, only its own: after each verify step its catch-up
 forward runs the accepted drafts again (1 to k + 1 tokens a row, one forward), where a draft that had proposed them
@@ -160,7 +162,7 @@ def costs(target: Transformer, draft: Transformer, batch: int, ks: list[int], re
     """c and v_k in GPU kernel time at `batch` (CUDA only: torch.profiler's kernel times)."""
     from speculative_verify_cost import forward_ms
 
-    t = forward_ms(target, batch, 256, [1] + [k + 1 for k in ks], repeats)
+    t = forward_ms(target, batch, 256, [1] + [k + 1 for k in ks], repeats, packed=True)
     d = forward_ms(draft, batch, 256, [1], repeats)[1]
     return {"target_decode_gpu_ms": t[1]["gpu_ms"], "draft_decode_gpu_ms": d["gpu_ms"],
             "c": d["gpu_ms"] / t[1]["gpu_ms"], "v": {str(k): t[k + 1]["gpu_ms"] / t[1]["gpu_ms"] for k in ks}}
@@ -239,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                     run = timed(llm, prompts[:batch], params, args.repeats)
                     stats, base = run["stats"], plain["draft", batch]
                     a = stats.alpha
-                    cost = results["costs"].get(str(batch))
-                    e = arithmetic.expected_tokens_per_step(a, k) if a == a else 1.0  # nan: nothing drafted
+                    cost = results["costs"].get(str(batch)) if a == a else None  # nan: nothing was drafted
                     row = {"k": k, "alpha": alpha, "batch": batch, "measured_alpha": a,
                            "tokens_per_step": stats.tokens_per_step, "tokens_per_s": run["tokens_per_s"],
                            "plain_tokens_per_s": base["tokens_per_s"],
                            "speedup": run["tokens_per_s"] / base["tokens_per_s"],
-                           "predicted": e / (cost["v"][str(k)] + k * cost["c"]) if cost else None,
+                           "predicted": arithmetic.speculative_speedup(a, k, cost["c"], cost["v"][str(k)])
+                           if cost else None,
                            "predicted_unit_verify": arithmetic.speculative_speedup(a, k, cost["c"]) if cost else None,
                            "verify_step_ms": 1e3 * run["seconds"] / stats.num_steps if stats.num_steps else None,
                            "tokens_equal_plain": run["tokens"] == base["tokens"], "verify_graphs": graphs,

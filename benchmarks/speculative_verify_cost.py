@@ -47,10 +47,12 @@ def build(shape: str) -> Transformer:
 
 
 @torch.inference_mode()
-def forward_ms(model: Transformer, batch: int, context: int, news: list[int], repeats: int) -> dict[int, dict]:
+def forward_ms(model: Transformer, batch: int, context: int, news: list[int], repeats: int,
+               packed: bool = False) -> dict[int, dict]:
     """One forward over n new tokens per sequence, for each n in news, at `context` cached tokens: the median wall
     ms of the eager forward (host-bound for small batches) and its GPU kernel ms (torch.profiler: the time a
-    CUDA-graph replay approaches)."""
+    CUDA-graph replay approaches). packed: the verify forward as the engine now runs it (`ModelRunner.verify_logits`:
+    every row's tokens in one packed row, attention reading the pools), else a left-padded batch [B, n]."""
     blocks = batch * cdiv(context + max(news), 16) + 1
     cache = PagedKVCache(model.config, blocks, 16, "cuda", model.dtype, enable_prefix_caching=False)
     ids = [f"s{b}" for b in range(batch)]
@@ -64,6 +66,8 @@ def forward_ms(model: Transformer, batch: int, context: int, news: list[int], re
         def run(n: int = n) -> None:
             if n == 1:
                 paged_forward(model, cache, ids, [[1]] * batch)
+            elif packed:
+                paged_forward(model, cache, ids, [[1] * n] * batch, packed=True, every_token=True)
             else:
                 view = cache.prepare(ids, [[1] * n] * batch)
                 model(view.tokens, cache=view)  # every position's logits, as the verify forward

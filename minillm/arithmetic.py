@@ -757,18 +757,20 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def speculative_speedup(alpha: float, k: int, draft_cost: float) -> float:
+def speculative_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
     """Expected wall-time speed-up of speculative decoding over plain decoding:
 
-        expected_tokens_per_step(alpha, k) / (1 + k x draft_cost)
+        expected_tokens_per_step(alpha, k) / (verify_cost + k x draft_cost)
 
-    `draft_cost` is c, the time of one draft forward relative to one target forward; a step costs
-    k draft forwards and one target forward (verifying k+1 positions at the price of one, which
-    holds while decode is memory-bound). Below 1 it is a slow-down. Units: ratio.
-    Introduced in chapter 07.
+    `draft_cost` is c, the time of one draft forward relative to one target decode step; a step costs
+    k draft forwards and one verify forward. `verify_cost` is v_k, the verify forward over k + 1
+    positions in decode steps: 1 (the default) takes it at the price of one, which holds while decode
+    is memory-bound; a measured v_k gives the prediction to compare a measurement with. Below 1 it is a
+    slow-down. Units: ratio. Introduced in chapter 07.
     """
     _positive("draft_cost", draft_cost, allow_zero=True)
-    return expected_tokens_per_step(alpha, k) / (1 + k * draft_cost)
+    _positive("verify_cost", verify_cost)
+    return expected_tokens_per_step(alpha, k) / (verify_cost + k * draft_cost)
 
 
 def best_speculation_length(alpha: float, draft_cost: float, max_k: int = 16) -> int:
