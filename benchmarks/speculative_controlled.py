@@ -22,9 +22,10 @@ the speed-up, and chapter 07's prediction E[tokens] / (v_k + k c), with c (a dra
 step) and v_k (the target's packed verify forward over k + 1 tokens a row, as the engine runs it, over its decode
 step) measured in GPU kernel time at the same batch (`speculative_verify_cost.forward_ms`, 256 tokens of context,
 eager, under torch.profiler): `arithmetic.speculative_speedup(alpha, k, c, v_k)`, with
-E = (1 - alpha^(k+1)) / (1 - alpha) at the measured alpha. Plus prompt lookup (`NgramDrafter`: no draft model,
-c ~ 0) on prompts that walk a 64-token cycle of perm twice, so that the lookup always finds the target's
-continuation (alpha ~ 1).
+E = (1 - alpha^(k+1)) / (1 - alpha) at the measured alpha; at k = 4 (`--adaptive-ks`) once more with adaptive
+speculation (`DraftGate`: sequences whose drafts stop paying decode plainly, probing now and then). Plus prompt
+lookup (`NgramDrafter`: no draft model, c ~ 0) on prompts that walk a 64-token cycle of perm twice, so that the
+lookup always finds the target's continuation (alpha ~ 1).
 
 The draft model's cache does not hold the scripted tokens, only its own: after each verify step its catch-up
 forward runs the accepted drafts again (1 to k + 1 tokens a row, one forward), where a draft that had proposed them
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny pair on the CPU (a smoke run)")
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.6, 0.8, 0.9])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--adaptive-ks", type=int, nargs="*", default=[4],
+                        help="k values run again with SpeculativeConfig(adaptive=True) (DraftGate)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -230,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"costs batch {batch}: {results['costs'][str(batch)]}", flush=True)
     save()
     inner = DraftModelDrafter(draft, num_blocks=blocks)
-    for k in args.ks:
+    for k, adaptive in [(k, False) for k in args.ks] + [(k, True) for k in args.adaptive_ks]:
         scripted = ScriptedDrafter(inner, perm, seed=k)
-        llm = engine(target, SpeculativeConfig(scripted, k), blocks)
+        llm = engine(target, SpeculativeConfig(scripted, k, adaptive=adaptive), blocks)
         graphs = llm.engine.model_runner.verify_graphs is not None
         for alpha in args.alphas:
             scripted.alpha = alpha
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     stats, base = run["stats"], plain["draft", batch]
                     a = stats.alpha
                     cost = results["costs"].get(str(batch)) if a == a else None  # nan: nothing was drafted
-                    row = {"k": k, "alpha": alpha, "batch": batch, "measured_alpha": a,
+                    row = {"k": k, "alpha": alpha, "batch": batch, "adaptive": adaptive, "measured_alpha": a,
                            "tokens_per_step": stats.tokens_per_step, "tokens_per_s": run["tokens_per_s"],
                            "plain_tokens_per_s": base["tokens_per_s"],
                            "speedup": run["tokens_per_s"] / base["tokens_per_s"],
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["rows"].append(row)
                     print({x: round(y, 3) if isinstance(y, float) else y for x, y in row.items()}, flush=True)
                 except Exception as error:  # noqa: BLE001 - a failed configuration is recorded, the rest go on
-                    results["errors"].append(f"k={k} alpha={alpha} batch={batch}: {type(error).__name__}: {error}")
+                    results["errors"].append(f"k={k} alpha={alpha} batch={batch} adaptive={adaptive}: "
+                                             f"{type(error).__name__}: {error}")
                     print(results["errors"][-1], flush=True)
         save()
         release(llm)
@@ -276,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(results["errors"][-1], flush=True)
         release(llm)
     save()
-    print(f"{'k':>2} {'alpha':>5} {'batch':>5} {'meas a':>6} {'speedup':>7} {'predicted':>9}")
+    print(f"{'k':>2} {'alpha':>5} {'batch':>5} {'adaptive':>8} {'meas a':>6} {'speedup':>7} {'predicted':>9}")
     for r in results["rows"]:
         pred = f"{r['predicted']:.2f}" if r["predicted"] else "-"
-        print(f"{r['k']:>2} {r['alpha']:>5} {r['batch']:>5} {r['measured_alpha']:>6.2f} {r['speedup']:>7.2f} {pred:>9}")
+        print(f"{r['k']:>2} {r['alpha']:>5} {r['batch']:>5} {r['adaptive']!s:>8} {r['measured_alpha']:>6.2f} "
+              f"{r['speedup']:>7.2f} {pred:>9}")
     for r in results["ngram"]:
         print(f"ngram k={r['k']} batch={r['batch']}: alpha {r['measured_alpha']:.2f}, speedup {r['speedup']:.2f}")
     return 0

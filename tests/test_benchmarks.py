@@ -152,7 +152,8 @@ def test_speculative_controlled_construction_gives_the_acceptance_it_was_built_f
                                         "--name", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert all(p["follows_perm"] == 1.0 for p in data["plain"].values())
-    assert not data["errors"] and len(data["rows"]) == 4 and len(data["ngram"]) == 2
+    assert not data["errors"] and len(data["rows"]) == 8 and len(data["ngram"]) == 2
+    assert [r["adaptive"] for r in data["rows"]] == [False] * 4 + [True] * 4  # k = 4 again, with the DraftGate
     for row in data["rows"]:
         assert row["tokens_equal_plain"]
         assert row["measured_alpha"] == 0 if row["alpha"] == 0 else abs(row["measured_alpha"] - 0.8) < 0.15

@@ -84,8 +84,11 @@ class DraftModelDrafter:
         if seq_id not in self.cache.block_tables:
             self.cache.add_sequence(seq_id)
         cached = self.cache.block_tables[seq_id].token_ids
-        keep = 0
         limit = min(len(cached), len(context) - 1)  # at least the last token runs: its logits draft x_1
+        # The two part near the end (the drafts the target rejected): compare the long shared start in one go.
+        keep = max(0, limit - 64)
+        if cached[:keep] != context[:keep]:
+            keep = 0
         while keep < limit and cached[keep] == context[keep]:
             keep += 1
         self.cache.truncate(seq_id, keep)

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from minillm.arithmetic import weight_bytes_read
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.engine_config import EngineConfig, check_tensor_parallel
@@ -82,7 +83,7 @@ from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
 from minillm.sampler.constrained import TokenIndex, masks_for
 from minillm.sampler.sampling import SamplingParams
-from minillm.sampler.speculative import SpeculativeConfig, SpeculativeStats
+from minillm.sampler.speculative import DraftGate, SpeculativeConfig, SpeculativeStats
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 from minillm.utils import kv_blocks, to_device
 
@@ -202,6 +203,12 @@ class LLMEngine:
                              "are the target's token ids). Use a draft of the same family, or an NgramDrafter.")
         self.speculative = c.speculative
         self.spec_stats = SpeculativeStats()
+        self.draft_gate = None  # with SpeculativeConfig(adaptive=True): which sequences still draft (DraftGate)
+        if c.speculative is not None and c.speculative.adaptive:
+            cost = c.speculative.draft_cost
+            if cost is None:  # a decode step reads every weight: the draft's bytes over the target's
+                cost = weight_bytes_read(draft.config, 1) / weight_bytes_read(model.config, 1) if draft else 0.0
+            self.draft_gate = DraftGate(c.speculative.num_speculative_tokens, cost)
         check_kv_cache_dtype(c.kv_cache_dtype)
         if c.kv_cache_memory_bytes is not None:
             if num_blocks is not None:
@@ -426,6 +433,8 @@ class LLMEngine:
         """A finished sequence lets go of what lives outside the scheduler: the drafter's copy of it."""
         if self.speculative is not None:
             self.speculative.drafter.release(seq.seq_id)
+        if self.draft_gate is not None:
+            self.draft_gate.release(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.inflight is not None
@@ -467,7 +476,7 @@ class LLMEngine:
         verified = []
         if speculating:
             verified = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
-                                                            self.spec_stats)
+                                                            self.spec_stats, self.draft_gate)
         logits = self._forward(plain) if plain else None  # queued on the device; the host goes on
         outputs = []
         if self.inflight is not None:  # the step before's tokens, read while this step's forward runs
@@ -555,9 +564,11 @@ class LLMEngine:
         return outputs
 
     def _speculates(self, seq: Seq, n: int) -> bool:
-        """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go."""
+        """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go,
+        and (adaptive speculation) drafting still pays for it."""
         return (self.speculative is not None and n == 1 and not seq.is_prefill and seq.constraint is None
-                and seq.params.max_tokens - seq.num_output_tokens >= 2)
+                and seq.params.max_tokens - seq.num_output_tokens >= 2
+                and (self.draft_gate is None or self.draft_gate.drafts(seq.seq_id)))  # last: it counts the step
 
     def _fork(self, seq: Seq) -> list[Seq]:
         """If this is a request's first sequence, its prompt just completed and it asks for best_of > 1: the

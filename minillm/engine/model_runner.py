@@ -356,14 +356,16 @@ class ModelRunner:
         return logits
 
     # ------------------------------------------------------------------ speculative decoding (chapter 07)
-    def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any) -> list[SampledTokens]:
+    def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any,
+                           gate: Any = None) -> list[SampledTokens]:
         """Draft, verify in one target forward, roll back the rejected positions (chapter 07).
 
         `speculative` is a `minillm.sampler.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
-        verify rule) and `stats` its `SpeculativeStats`. Each row's last token (uncomputed, as in any decode
-        step) and its d <= k drafts go through the model together (`verify_logits`); the logits at those 1 + d
-        positions are p_1 .. p_{d+1}. The verify rule keeps a accepted drafts and adds one token; the cache keeps
-        the last token and the a drafts, and `PagedKVCache.truncate` returns the rejected ones' slots.
+        verify rule), `stats` its `SpeculativeStats`, and `gate` the engine's `DraftGate` (adaptive) or None. Each
+        row's last token (uncomputed, as in any decode step) and its d <= k drafts go through the model together
+        (`verify_logits`); the logits at those 1 + d positions are p_1 .. p_{d+1}. The verify rule keeps a accepted
+        drafts and adds one token; the cache keeps the last token and the a drafts, and `PagedKVCache.truncate`
+        returns the rejected ones' slots.
 
         A step whose rows are all plain greedy (`greedy_row`, exact acceptance) is judged in one batch: the target's
         argmax and its log-probability at every position on the device (`minillm.kernels.greedy_argmax` on a GPU),
@@ -407,6 +409,8 @@ class ModelRunner:
             accepted = len(tokens) - 1
             if draft:
                 stats.record(len(draft), accepted)
+                if gate is not None:  # adaptive speculation: `minillm.sampler.speculative.DraftGate`
+                    gate.record(seq.seq_id, len(draft), accepted)
             seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts are in the cache
             self.cache.truncate(seq.seq_id, seq.num_computed_tokens)
             results.append(SampledTokens(seq, tokens, logprobs, tops))

@@ -38,6 +38,7 @@ The pieces:
   decode rows (`ModelRunner.speculative_decode`), `SpeculativeConfig.accept` applies the rule to each row,
   and the rejected positions are rolled back with `PagedKVCache.truncate`.
 * `SpeculativeStats`: what was proposed and accepted, per draft position, and tokens per target forward.
+* `DraftGate`: with `SpeculativeConfig(adaptive=True)`, sequences whose drafts stop paying decode plainly.
 
 The expected number of tokens per target forward, (1 - alpha^(k+1)) / (1 - alpha), and the speed-up
 with a draft of relative cost c are `minillm.arithmetic.expected_tokens_per_step` and
@@ -304,6 +305,56 @@ class SpeculativeStats:
         return self.num_emitted / self.num_steps if self.num_steps else float("nan")
 
 
+class DraftGate:
+    """Adaptive speculation (`SpeculativeConfig(adaptive=True)`): whether drafting still pays, sequence by sequence.
+
+    A draft that the target keeps rejecting makes every step cost a verify forward and k draft forwards for one
+    token: at alpha = 0 an 8B target with a 1B draft ran at 0.44x of plain decoding (k = 4, one H200,
+    results/speculative_controlled/cuda.json). The gate keeps a decayed count of each sequence's checked and
+    accepted drafts (each verify step multiplies the old counts by `DECAY`: about the last ten steps count) and
+    predicts its next step's speed-up, `minillm.arithmetic.speculative_speedup(alpha, k, draft_cost)`. Below 1, once
+    `MIN_STEPS` verify steps have been seen (one unlucky step is not evidence: at alpha = 0.8 a step accepts nothing
+    one time in five), the sequence decodes plainly and drafts again only to probe: after 4 plain steps, then 8, 16,
+    up to 64 while the probes fail; a probe that pays lets it draft every step again. Plain steps are exact, so the
+    output is the same with or without the gate; only the speed changes.
+    """
+
+    DECAY = 0.9
+    MIN_STEPS = 4
+    FIRST_WAIT, LONGEST_WAIT = 4, 64
+
+    def __init__(self, k: int, draft_cost: float) -> None:
+        self.k, self.draft_cost = k, draft_cost
+        # seq_id -> [decayed checked drafts, decayed accepted drafts, plain steps left, the next wait, verify steps]
+        self.rows: dict[Hashable, list[float]] = {}
+
+    def drafts(self, seq_id: Hashable) -> bool:
+        """Whether this sequence drafts this step (call once per step it could): False while it waits."""
+        row = self.rows.get(seq_id)
+        if row is None or row[2] <= 0:
+            return True
+        row[2] -= 1
+        return False
+
+    def record(self, seq_id: Hashable, checked: int, accepted: int) -> None:
+        """After a verify step: `checked` drafts reached the rule (all proposed), `accepted` kept."""
+        from minillm.arithmetic import speculative_speedup
+
+        row = self.rows.setdefault(seq_id, [0.0, 0.0, 0, 0, 0])
+        row[0] = self.DECAY * row[0] + checked
+        row[1] = self.DECAY * row[1] + accepted
+        row[4] += 1
+        alpha = min(1.0, row[1] / row[0]) if row[0] else 1.0
+        if row[4] < self.MIN_STEPS or speculative_speedup(alpha, self.k, self.draft_cost) >= 1:
+            row[2] = row[3] = 0
+        else:
+            row[2] = row[3] or self.FIRST_WAIT
+            row[3] = min(2 * row[2], self.LONGEST_WAIT)
+
+    def release(self, seq_id: Hashable) -> None:
+        self.rows.pop(seq_id, None)
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding for an engine: a drafter, and k = num_speculative_tokens drafts per step (vLLM's name).
@@ -323,6 +374,11 @@ class SpeculativeConfig:
     acceptance: str = "exact"
     typical_epsilon: float = TYPICAL_EPSILON
     typical_delta: float = TYPICAL_DELTA
+    # adaptive: a sequence whose drafts stop paying decodes plainly, probing now and then (`DraftGate`).
+    # draft_cost: c for that prediction, a draft forward over a target decode step; None: the engine estimates it
+    # from the two models' weights (a decode step reads them all), 0 for a drafter without a model.
+    adaptive: bool = False
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -331,6 +387,9 @@ class SpeculativeConfig:
         if self.acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance={self.acceptance!r}: choose 'exact' (the target's own output) or 'typical' "
                              "(Medusa's typical acceptance: lossy, faster).")
+        if self.draft_cost is not None and not (isinstance(self.draft_cost, (int, float)) and self.draft_cost >= 0):
+            raise ValueError(f"draft_cost is c, a draft forward's time over a target step: a number >= 0, got "
+                             f"{self.draft_cost!r} (or None, to let the engine estimate it).")
         if not (0 < self.typical_epsilon <= 1 and 0 < self.typical_delta < 1):
             raise ValueError(f"typical acceptance needs 0 < typical_epsilon <= 1 and 0 < typical_delta < 1, got "
                              f"{self.typical_epsilon} and {self.typical_delta}.")
