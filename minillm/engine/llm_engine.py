@@ -564,11 +564,11 @@ class LLMEngine:
         return outputs
 
     def _speculates(self, seq: Seq, n: int) -> bool:
-        """Whether this scheduled row drafts: a decode step (not prompt work), unconstrained, with 2+ tokens to go,
-        and (adaptive speculation) drafting still pays for it."""
+        """Whether this scheduled row goes to the verify step: a decode step (not prompt work), unconstrained, with 2+
+        tokens to go. (With adaptive speculation a row whose drafts do not pay joins it with no drafts: one forward
+        for the whole step, not a verify forward and a decode forward.)"""
         return (self.speculative is not None and n == 1 and not seq.is_prefill and seq.constraint is None
-                and seq.params.max_tokens - seq.num_output_tokens >= 2
-                and (self.draft_gate is None or self.draft_gate.drafts(seq.seq_id)))  # last: it counts the step
+                and seq.params.max_tokens - seq.num_output_tokens >= 2)
 
     def _fork(self, seq: Seq) -> list[Seq]:
         """If this is a request's first sequence, its prompt just completed and it asks for best_of > 1: the

@@ -373,7 +373,8 @@ class ModelRunner:
         (speculative sampling) row by row.
         """
         ids = [s.seq_id for s in seqs]
-        ks = [min(speculative.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
+        ks = [0 if gate is not None and not gate.drafts(s.seq_id)  # adaptive: drafting does not pay for this row
+              else min(speculative.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
               for s in seqs]
         drafts = speculative.drafter.propose(ids, [s.all_token_ids for s in seqs], [s.params for s in seqs], ks,
                                              [s.generator for s in seqs])
