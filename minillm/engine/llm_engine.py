@@ -473,10 +473,15 @@ class LLMEngine:
             plain = []
             for seq, n in plan.scheduled:
                 (speculating if self._speculates(seq, n) else plain).append((seq, n))
+        drafting = None  # with adaptive speculation: the rows whose drafts still pay (the others join with none)
+        if speculating and self.draft_gate is not None:
+            drafting = {s.seq_id for s, _ in speculating if self.draft_gate.drafts(s.seq_id)}
+            if not drafting:  # nobody drafts: a plain decode step (its graphs, its sampling), not a verify step
+                plain, speculating = plan.scheduled, []
         verified = []
         if speculating:
             verified = self.model_runner.speculative_decode([s for s, _ in speculating], self.speculative,
-                                                            self.spec_stats, self.draft_gate)
+                                                            self.spec_stats, self.draft_gate, drafting)
         logits = self._forward(plain) if plain else None  # queued on the device; the host goes on
         outputs = []
         if self.inflight is not None:  # the step before's tokens, read while this step's forward runs

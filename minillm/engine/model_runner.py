@@ -356,12 +356,13 @@ class ModelRunner:
         return logits
 
     # ------------------------------------------------------------------ speculative decoding (chapter 07)
-    def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any,
-                           gate: Any = None) -> list[SampledTokens]:
+    def speculative_decode(self, seqs: list[Seq], speculative: Any, stats: Any, gate: Any = None,
+                           drafting: set[Hashable] | None = None) -> list[SampledTokens]:
         """Draft, verify in one target forward, roll back the rejected positions (chapter 07).
 
         `speculative` is a `minillm.sampler.speculative.SpeculativeConfig` (its drafter proposes, its `accept` is the
-        verify rule), `stats` its `SpeculativeStats`, and `gate` the engine's `DraftGate` (adaptive) or None. Each
+        verify rule), `stats` its `SpeculativeStats`, `gate` the engine's `DraftGate` (adaptive) or None, and
+        `drafting` the rows that draft this step (None: all; the others join the verify forward with no drafts). Each
         row's last token (uncomputed, as in any decode step) and its d <= k drafts go through the model together
         (`verify_logits`); the logits at those 1 + d positions are p_1 .. p_{d+1}. The verify rule keeps a accepted
         drafts and adds one token; the cache keeps the last token and the a drafts, and `PagedKVCache.truncate`
@@ -373,7 +374,7 @@ class ModelRunner:
         (speculative sampling) row by row.
         """
         ids = [s.seq_id for s in seqs]
-        ks = [0 if gate is not None and not gate.drafts(s.seq_id)  # adaptive: drafting does not pay for this row
+        ks = [0 if drafting is not None and s.seq_id not in drafting  # adaptive: drafting does not pay for this row
               else min(speculative.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
               for s in seqs]
         drafts = speculative.drafter.propose(ids, [s.all_token_ids for s in seqs], [s.params for s in seqs], ks,
@@ -410,8 +411,8 @@ class ModelRunner:
             accepted = len(tokens) - 1
             if draft:
                 stats.record(len(draft), accepted)
-                if gate is not None:  # adaptive speculation: `minillm.sampler.speculative.DraftGate`
-                    gate.record(seq.seq_id, len(draft), accepted)
+                if gate is not None:  # adaptive speculation: the drafts that reached the rule, and those it kept
+                    gate.record(seq.seq_id, min(len(draft), accepted + 1), accepted)
             seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts are in the cache
             self.cache.truncate(seq.seq_id, seq.num_computed_tokens)
             results.append(SampledTokens(seq, tokens, logprobs, tops))

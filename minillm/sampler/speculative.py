@@ -337,7 +337,8 @@ class DraftGate:
         return False
 
     def record(self, seq_id: Hashable, checked: int, accepted: int) -> None:
-        """After a verify step: `checked` drafts reached the rule (all proposed), `accepted` kept."""
+        """After a verify step: `checked` drafts reached the rule (the accepted ones and the first rejected; the
+        drafts after a rejection are never looked at), `accepted` were kept."""
         from minillm.arithmetic import speculative_speedup
 
         row = self.rows.setdefault(seq_id, [0.0, 0.0, 0, 0, 0])

@@ -402,20 +402,21 @@ def test_draft_gate_backs_off_a_sequence_whose_drafts_fail_and_lets_a_good_one_d
     gate = DraftGate(k=4, draft_cost=0.2)
     assert gate.drafts("a")  # nothing known yet: draft
     for _ in range(DraftGate.MIN_STEPS - 1):  # alpha 0 (1 token for 1 + 4 x 0.2 steps), but too few steps to judge
-        gate.record("a", 4, 0)
+        gate.record("a", 1, 0)  # the first draft was checked and rejected: the rest never reached the rule
         assert gate.drafts("a")
-    gate.record("a", 4, 0)
+    gate.record("a", 1, 0)
     assert [gate.drafts("a") for _ in range(5)] == [False] * 4 + [True]  # 4 plain steps, then a probe
-    gate.record("a", 4, 0)
+    gate.record("a", 1, 0)
     assert [gate.drafts("a") for _ in range(9)] == [False] * 8 + [True]  # the wait doubles while probes fail
     for _ in range(30):  # now every draft is accepted: the decayed alpha climbs back above break-even
         gate.record("a", 4, 4)
     assert all(gate.drafts("a") for _ in range(10))
-    gate.record("b", 4, 4)
-    assert all(gate.drafts("b") for _ in range(10))  # alpha 1: 5 tokens for 1.8 steps
+    for _ in range(2 * DraftGate.MIN_STEPS):  # alpha 0.6, counted right: 2 of 3 checked each step (not 2 of 4)
+        gate.record("b", 3, 2)
+    assert all(gate.drafts("b") for _ in range(10))  # E(0.67, 4) = 2.6 tokens for 1.8 steps
     free = DraftGate(k=4, draft_cost=0.0)
     for _ in range(2 * DraftGate.MIN_STEPS):
-        free.record("c", 4, 0)
+        free.record("c", 1, 0)
     assert free.drafts("c")  # a drafter that costs nothing never loses (E >= 1)
     gate.release("a")
     assert "a" not in gate.rows
@@ -424,17 +425,19 @@ def test_draft_gate_backs_off_a_sequence_whose_drafts_fail_and_lets_a_good_one_d
 
 
 class _Script:
-    """Drafts from a known continuation: the target's own tokens (right) or each of them plus one (wrong)."""
+    """Drafts from a known continuation: the target's own tokens, the first `right` of each draft (None: all), the
+    rest each plus one (wrong)."""
 
-    def __init__(self, prompt_len: int, continuation: list[int], wrong: bool, vocab: int) -> None:
-        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
+    def __init__(self, prompt_len: int, continuation: list[int], right: int | None, vocab: int) -> None:
+        self.prompt_len, self.continuation, self.right, self.vocab = prompt_len, continuation, right, vocab
 
     def propose(self, seq_ids, contexts, params, num_tokens, generators):
         drafts = []
         for context, k in zip(contexts, num_tokens):
             done = len(context) - self.prompt_len
             tokens = self.continuation[done: done + k]
-            drafts.append(Draft([(t + 1) % self.vocab if self.wrong else t for t in tokens]))
+            right = len(tokens) if self.right is None else self.right
+            drafts.append(Draft([t if i < right else (t + 1) % self.vocab for i, t in enumerate(tokens)]))
         return drafts
 
     def release(self, seq_id):
@@ -443,16 +446,18 @@ class _Script:
 
 def test_adaptive_speculation_stops_drafting_what_fails_and_keeps_what_pays(target):
     """Greedy, a drafter that is always wrong: with adaptive=True most steps decode plainly (a probe now and then),
-    without it every step verifies; a drafter that is always right drafts every step either way. The tokens are
-    plain greedy's in every case."""
+    without it every step verifies; a drafter that is always right drafts every step either way, and so does one
+    right once then wrong (alpha = 1/2 of the drafts checked: just above break-even at c = 0.2; counting all four
+    drafts proposed as checked would make it 1/4, and gate it). The tokens are plain greedy's in every case."""
     model, tok = target
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ids = tok.encode(PROMPT)
     plain = minillm.generate(model, PROMPT, params, tok).token_ids
     steps = {}
-    for wrong in (True, False):
+    for wrong in (True, False, "once"):
         for adaptive in (False, True):
-            drafter = _Script(len(ids), plain, wrong, model.config.vocab_size)
+            right = {True: 0, False: None, "once": 1}[wrong]
+            drafter = _Script(len(ids), plain, right, model.config.vocab_size)
             spec = SpeculativeConfig(drafter, 4, adaptive=adaptive, draft_cost=0.2)
             llm = LLM(model, tok, speculative=spec)
             assert llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids == plain
@@ -461,3 +466,4 @@ def test_adaptive_speculation_stops_drafting_what_fails_and_keeps_what_pays(targ
     assert steps[True, False] == 46  # every decode step verified a wrong draft (but the last, with one token to go)
     assert steps[True, True] <= 12  # MIN_STEPS, then probes after 4, 8, 16 plain steps
     assert steps[False, True] == steps[False, False] < 12  # right drafts: 5 tokens a step, every step
+    assert steps["once", True] == steps["once", False]  # 2 tokens a step: it pays (barely), so it drafts on
