@@ -149,6 +149,8 @@ CLAIMS: dict[str, dict[str, str]] = {
         "speculative/cuda.json": "the same on an H100: speculation does not pay for the 11M target",
         "speculative_ngram/cpu_smollm2.json": "n-gram lookup on SmolLM2: grounded prompts against a story, the "
                                               "formula with steps that draft nothing",
+        "speculative_controlled/cuda.json": "8B target, real 1B draft, alpha by construction: speed-up against "
+                                            "E / (v_k + k c) by alpha, k, batch; prompt lookup (H200)",
     },
     "08": {
         "tensor_parallel/cpu.json": "TP = 1, 2 on two CPU cores: the step and its all-reduces",
