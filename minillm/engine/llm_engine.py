@@ -63,7 +63,6 @@ from typing import Any
 
 import torch
 
-from minillm.arithmetic import weight_bytes_read
 from minillm.engine.block_manager import BLOCK_SIZE
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.engine_config import EngineConfig, check_tensor_parallel
@@ -83,7 +82,7 @@ from minillm.model import Transformer
 from minillm.quant.kv import check_kv_cache_dtype
 from minillm.sampler.constrained import TokenIndex, masks_for
 from minillm.sampler.sampling import SamplingParams
-from minillm.sampler.speculative import DraftGate, SpeculativeConfig, SpeculativeStats
+from minillm.sampler.speculative import DraftGate, SpeculativeConfig, SpeculativeStats, estimated_draft_cost
 from minillm.tokenizer import IncrementalDecoder, Tokenizer
 from minillm.utils import kv_blocks, to_device
 
@@ -206,8 +205,8 @@ class LLMEngine:
         self.draft_gate = None  # with SpeculativeConfig(adaptive=True): which sequences still draft (DraftGate)
         if c.speculative is not None and c.speculative.adaptive:
             cost = c.speculative.draft_cost
-            if cost is None:  # a decode step reads every weight: the draft's bytes over the target's
-                cost = weight_bytes_read(draft.config, 1) / weight_bytes_read(model.config, 1) if draft else 0.0
+            if cost is None:
+                cost = estimated_draft_cost(draft.config, model.config) if draft is not None else 0.0
             self.draft_gate = DraftGate(c.speculative.num_speculative_tokens, cost)
         check_kv_cache_dtype(c.kv_cache_dtype)
         if c.kv_cache_memory_bytes is not None:
