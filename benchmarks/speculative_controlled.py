@@ -173,8 +173,8 @@ def engine(model: Transformer, speculative: SpeculativeConfig | None, blocks: in
     return LLM(model, None, speculative=speculative, max_num_seqs=8, num_blocks=blocks)
 
 
-def release(llm: LLM | None) -> None:
-    del llm
+def free_gpu_memory() -> None:
+    """After the caller has dropped its engine (`del llm`): collect it and give its cached blocks back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "follows_perm": follows(prompts[:batch], plain["draft", batch]["tokens"], perm),
                                         "ngram_prompts_tokens_per_s": plain["ngram", batch]["tokens_per_s"]}
         print(f"plain batch {batch}: {results['plain'][str(batch)]}", flush=True)
-    release(plain_llm)
+    del plain_llm
+    free_gpu_memory()
     if not args.tiny:
         for batch in args.batches:
             results["costs"][str(batch)] = costs(target, draft, batch, args.ks, 10)
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{type(error).__name__}: {error}")
                     print(results["errors"][-1], flush=True)
         save()
-        release(llm)
+        del llm
+        free_gpu_memory()
     for k in args.ks:
         llm = engine(target, SpeculativeConfig(NgramDrafter(), k), blocks)
         for batch in args.batches:
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # noqa: BLE001
                 results["errors"].append(f"ngram k={k} batch={batch}: {type(error).__name__}: {error}")
                 print(results["errors"][-1], flush=True)
-        release(llm)
+        del llm
+        free_gpu_memory()
     save()
     print(f"{'k':>2} {'alpha':>5} {'batch':>5} {'adaptive':>8} {'meas a':>6} {'speedup':>7} {'predicted':>9}")
     for r in results["rows"]:

@@ -85,7 +85,7 @@ class DraftModelDrafter:
             self.cache.add_sequence(seq_id)
         cached = self.cache.block_tables[seq_id].token_ids
         limit = min(len(cached), len(context) - 1)  # at least the last token runs: its logits draft x_1
-        # The two part near the end (the drafts the target rejected): compare the long shared start in one go.
+        # The two differ near the end (the drafts the target rejected): compare the long shared start in one go.
         keep = max(0, limit - 64)
         if cached[:keep] != context[:keep]:
             keep = 0
@@ -179,22 +179,21 @@ class DraftModelDrafter:
             logits = catch_up.run(ids, feeds, allocated=True)
         else:
             logits = paged_forward(self.model, self.cache, ids, feeds, packed=True)
-        steps = [argmax_on_device(logits)[0]]  # steps[s][j]: draft s of the s-th step's row j
-        members = list(range(len(rows)))  # positions in `rows` of the rows still drafting
+        steps = [argmax_on_device(logits)[0]]  # steps[s][j]: draft s of row order[s][j]
+        order = [list(range(len(rows)))]  # order[s]: the rows (positions in `rows`) that draft an s-th token
         for s in range(1, max(num_tokens[i] for i in rows)):
-            keep = [m for m in members if num_tokens[rows[m]] > s]
-            fed = [inflight_token(members.index(m)) for m in keep]  # each row's draft s - 1, still on the device
-            members = keep
-            logits = graphs.run([ids[m] for m in members], fed, previous=steps[-1], allocated=True)
+            before = {m: j for j, m in enumerate(order[-1])}  # where each row's draft s - 1 sits in steps[-1]
+            order.append([m for m in order[-1] if num_tokens[rows[m]] > s])
+            fed = [inflight_token(before[m]) for m in order[-1]]  # each row's draft s - 1, still on the device
+            logits = graphs.run([ids[m] for m in order[-1]], fed, previous=steps[-1], allocated=True)
             steps.append(argmax_on_device(logits)[0])
         on_host = torch.cat(steps).tolist()  # the one wait
         drafts: list[list[int]] = [[] for _ in seq_ids]
-        members, offset = list(range(len(rows))), 0
-        for s, step in enumerate(steps):
-            members = [m for m in members if num_tokens[rows[m]] > s]
+        offset = 0
+        for members in order:
             for j, m in enumerate(members):
                 drafts[rows[m]].append(on_host[offset + j])
-            offset += len(step)
+            offset += len(members)
         for i in rows:  # drafts 0 .. k - 2 went into the table as placeholders; the last was never fed
             table, k = self.cache.block_tables[seq_ids[i]], num_tokens[i]
             if k > 1:

@@ -391,7 +391,7 @@ class ModelRunner:
         rows = [[s.all_token_ids[-1], *d] for s, (d, _) in zip(seqs, proposed)]
         logits = self.verify_logits(ids, rows)  # one [1 + d_b, V] per row
         batched = speculative.acceptance == "exact" and all(map(greedy_row, seqs))
-        if batched:  # every row greedy: the target's argmax at every position, in one copy to the host
+        if batched:  # every row greedy: the target's argmax at every position, brought over with one wait
             targets, chosen = self._argmax(torch.cat(logits))
             targets, chosen = targets.tolist(), chosen.tolist()
         results, offset = [], 0

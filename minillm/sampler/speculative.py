@@ -310,7 +310,7 @@ class SpeculativeStats:
 def estimated_draft_cost(draft: ModelConfig, target: ModelConfig) -> float:
     """c before it is measured: a decode step reads every weight, so the draft's weight bytes over the target's
     (`minillm.arithmetic.weight_bytes_read`; 0.16 for Llama-3.2-1B drafting for Llama-3-8B, where an H200 measured
-    0.22: a small model's step is further from the bandwidth roof)."""
+    0.23: a small model's step is further from the bandwidth roof)."""
     return weight_bytes_read(draft, 1) / weight_bytes_read(target, 1)
 
 
@@ -318,7 +318,7 @@ class DraftGate:
     """Adaptive speculation (`SpeculativeConfig(adaptive=True)`): whether drafting still pays, sequence by sequence.
 
     A draft that the target keeps rejecting makes every step cost a verify forward and k draft forwards for one
-    token: at alpha = 0 an 8B target with a 1B draft ran at 0.44x of plain decoding (k = 4, one H200,
+    token: at alpha = 0 an 8B target with a 1B draft ran at 0.43x of plain decoding (k = 4, one H200,
     results/speculative_controlled/cuda.json). The gate keeps a decayed count of each sequence's checked and
     accepted drafts (each verify step multiplies the old counts by `DECAY`: about the last ten steps count) and
     predicts its next step's speed-up, `minillm.arithmetic.speculative_speedup(alpha, k, draft_cost)`. Below 1, once
@@ -332,32 +332,41 @@ class DraftGate:
     MIN_STEPS = 4
     FIRST_WAIT, LONGEST_WAIT = 4, 64
 
+    @dataclass
+    class Row:
+        """One sequence's record: decayed counts, the plain steps it still waits, the wait after its next failure."""
+
+        checked: float = 0.0
+        accepted: float = 0.0
+        wait: int = 0
+        next_wait: int = 0
+        steps: int = 0  # verify steps seen
+
     def __init__(self, k: int, draft_cost: float) -> None:
         self.k, self.draft_cost = k, draft_cost
-        # seq_id -> [decayed checked drafts, decayed accepted drafts, plain steps left, the next wait, verify steps]
-        self.rows: dict[Hashable, list[float]] = {}
+        self.rows: dict[Hashable, DraftGate.Row] = {}
 
     def drafts(self, seq_id: Hashable) -> bool:
         """Whether this sequence drafts this step (call once per step it could): False while it waits."""
         row = self.rows.get(seq_id)
-        if row is None or row[2] <= 0:
+        if row is None or row.wait <= 0:
             return True
-        row[2] -= 1
+        row.wait -= 1
         return False
 
     def record(self, seq_id: Hashable, checked: int, accepted: int) -> None:
         """After a verify step: `checked` drafts reached the rule (the accepted ones and the first rejected; the
         drafts after a rejection are never looked at), `accepted` were kept."""
-        row = self.rows.setdefault(seq_id, [0.0, 0.0, 0, 0, 0])
-        row[0] = self.DECAY * row[0] + checked
-        row[1] = self.DECAY * row[1] + accepted
-        row[4] += 1
-        alpha = min(1.0, row[1] / row[0]) if row[0] else 1.0
-        if row[4] < self.MIN_STEPS or speculative_speedup(alpha, self.k, self.draft_cost) >= 1:
-            row[2] = row[3] = 0
+        row = self.rows.setdefault(seq_id, DraftGate.Row())
+        row.checked = self.DECAY * row.checked + checked
+        row.accepted = self.DECAY * row.accepted + accepted
+        row.steps += 1
+        alpha = min(1.0, row.accepted / row.checked) if row.checked else 1.0
+        if row.steps < self.MIN_STEPS or speculative_speedup(alpha, self.k, self.draft_cost) >= 1:
+            row.wait = row.next_wait = 0
         else:
-            row[2] = row[3] or self.FIRST_WAIT
-            row[3] = min(2 * row[2], self.LONGEST_WAIT)
+            row.wait = row.next_wait or self.FIRST_WAIT
+            row.next_wait = min(2 * row.wait, self.LONGEST_WAIT)
 
     def release(self, seq_id: Hashable) -> None:
         self.rows.pop(seq_id, None)
