@@ -318,13 +318,17 @@ class DraftGate:
     """Adaptive speculation (`SpeculativeConfig(adaptive=True)`): whether drafting still pays, sequence by sequence.
 
     A draft that the target keeps rejecting makes every step cost a verify forward and k draft forwards for one
-    token: at alpha = 0 an 8B target with a 1B draft ran at 0.43x of plain decoding (k = 4, one H200,
-    results/speculative_controlled/cuda.json). The gate keeps a decayed count of each sequence's checked and
-    accepted drafts (each verify step multiplies the old counts by `DECAY`: about the last ten steps count) and
-    predicts its next step's speed-up, `minillm.arithmetic.speculative_speedup(alpha, k, draft_cost)`. Below 1, once
-    `MIN_STEPS` verify steps have been seen (one unlucky step is not evidence: at alpha = 0.8 a step accepts nothing
-    one time in five), the sequence decodes plainly and drafts again only to probe: after 4 plain steps, then 8, 16,
-    up to 64 while the probes fail; a probe that pays lets it draft every step again. Plain steps are exact, so the
+    token: at alpha = 0 an 8B target with a 1B draft ran at 0.42x of plain decoding (k = 4, one H200,
+    results/speculative_controlled/cuda.json), and with the gate at 0.87x (batch 1) and 0.85x (batch 8): probes
+    still draft and verify, and a gated row still joins its batch's verify step. Where drafts are good the gate costs
+    6-12% (alpha = 0.9: 1.55x against 1.75x at batch 1), and at alpha = 0.6 and batch 8 it lost (0.57x against
+    0.87x): rows turned off and on leave steps in which a few rows draft and the batch pays the verify. The gate
+    keeps a decayed count of each sequence's checked and accepted drafts (each verify step multiplies the old counts
+    by `DECAY`: about the last ten steps count) and predicts its next step's speed-up,
+    `minillm.arithmetic.speculative_speedup(alpha, k, draft_cost)`. Below 1, once `MIN_STEPS` verify steps have
+    been seen (one unlucky step is not evidence: at alpha = 0.8 a step accepts nothing one time in five), the
+    sequence decodes plainly and drafts again only to probe: after 4 plain steps, then 8, 16, up to 64 while the
+    probes fail; a probe that pays lets it draft every step again. Plain steps are exact, so the
     output is the same with or without the gate; only the speed changes.
     """
 
