@@ -2,21 +2,22 @@
 
 At c2e1d62 `(x{1,1000}){1,1000}` ran past 120 s and 5.6 GB, `[^x]{1000}` took 54 s, 200 nested groups or a
 self-referential schema raised RecursionError, `maxLength: true` built a pattern for the text "a{0,True}", and
-`anyOf`, `oneOf`, `$ref` and `pattern` were refused. Now the construction budget (automaton states and time) is
-enforced while the automaton is built, with an error that names the part too large; nesting is bounded with a
-clear error; keywords are type-checked; and the combinators and local references compile, checked against
-outlines-core's own regex for the same schema.
+`anyOf`, `oneOf`, `$ref` and `pattern` were refused. Now the construction budget (automaton states and work, not
+seconds: issue 55) is enforced while the automaton is built, with an error that names the part or the limit;
+nesting is bounded with a clear error; keywords are type-checked; and the combinators and local references
+compile, checked against outlines-core's own regex for the same schema.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
 
 import pytest
 
-from minillm.sampler.constrained import RegexDFA, automata, schema_to_regex
+from minillm.sampler.constrained import RegexDFA, automata, json_object_regex, schema_to_regex
 
 
 def test_a_repeat_past_the_budget_is_refused_before_it_is_built_naming_the_repeat():
@@ -26,10 +27,32 @@ def test_a_repeat_past_the_budget_is_refused_before_it_is_built_naming_the_repea
     assert time.perf_counter() - start < 5, "refused from the size of one copy, not after building them all"
 
 
-def test_the_time_budget_stops_a_slow_compile(monkeypatch):
-    monkeypatch.setattr(automata, "MAX_COMPILE_SECONDS", 0.2)
-    with pytest.raises(ValueError, match=r"took over 0.2 s .*\[\^x\]\{1000\}"):
+def test_the_budget_counts_work_not_seconds(monkeypatch):
+    """The budget was 10 s of wall clock, so json_object could fail to compile on a loaded machine. With the clock
+    jumping an hour at every reading, json_object compiles, well inside the budget, and `[^x]{1000}` (266 M cells
+    to minimise) is refused by the work it would take, whatever the clock says."""
+    clock = itertools.count(start=time.perf_counter(), step=3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    dfa = RegexDFA(json_object_regex())
+    assert dfa.matches('{"a": [1, {"b": null}], "c": "d"}') and not dfa.matches('{"a": }')
+    assert 4 * dfa.work.refine_cells < automata.MAX_REFINE_CELLS, dfa.work  # 6.0 M of 30 M
+    assert 10 * dfa.work.subset_steps < automata.MAX_SUBSET_STEPS, dfa.work  # 0.87 M of 10 M
+    monkeypatch.setattr(automata, "MAX_REFINE_CELLS", 2_000_000)  # the same refusal, 15x sooner
+    with pytest.raises(ValueError, match=r"too large to compile: minimising its DFA passed 2,000,000 table cells "
+                                         r"\(19,001 states, 7 rounds .*Simplify the pattern or the schema"):
         RegexDFA("[^x]{1000}")
+
+
+def test_the_subset_construction_has_a_work_budget_too(monkeypatch):
+    """(a|b)*a(a|b){12} is a pattern of 83 NFA states whose DFA remembers the last 13 letters: 8,193 states, and
+    0.74 M steps to find them. Under a lower budget it is refused, saying the limit; a small pattern is not. The
+    states of the DFA are a limit of their own."""
+    with pytest.raises(ValueError, match=r"its DFA passes 20,000 states .* Simplify the pattern or the schema"):
+        RegexDFA(json_object_regex(5))  # 51,185 states before minimising
+    monkeypatch.setattr(automata, "MAX_SUBSET_STEPS", 100_000)
+    with pytest.raises(ValueError, match=r"the subset construction passed 100,000 steps \([\d,]+ DFA states so far\)"
+                                         r"\. Simplify the pattern or the schema"):
+        RegexDFA("(a|b)*a(a|b){12}")
     assert RegexDFA("[^x]{3}").matches("abc"), "a small pattern is unaffected"
 
 
