@@ -42,7 +42,8 @@ What OpenAI clients send is implemented or refused by name, never silently ignor
 `top_logprobs`) return the engine's log-probabilities in each API's shape; `echo` puts the prompt before the
 completion; `response_format` {"type": "json_schema", ...} constrains the output to the schema, and
 {"type": "json_object"} to a JSON object nested at most 4 deep, with minillm's constrained decoding (chapter 01;
-each is compiled once, off the event loop). `suffix` and `echo` with `logprobs` get a 400 that says so.
+each schema is compiled once, off the event loop; json_object's automaton as the server starts, so that no request
+for it pays that compile or can fail it). `suffix` and `echo` with `logprobs` get a 400 that says so.
 
 No single request can stop the service: parameters are checked against what the engine holds before anything
 is queued; a step that raises fails only the requests in it (a 500, or an error event when streaming) and is
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import ipaddress
 import json
@@ -92,7 +94,7 @@ from minillm.engine.draft_model import DraftModelDrafter
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine, RequestOutput, n_best_by_logprob
 from minillm.parallel.tensor import start_group
-from minillm.sampler.constrained import TokenIndex, json_object_regex
+from minillm.sampler.constrained import RegexDFA, TokenIndex, json_object_regex
 from minillm.sampler.sampling import SamplingParams
 from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
 from minillm.tokenizer import apply_chat_template
@@ -117,6 +119,14 @@ MAX_STOP = 64  # the most stop strings one request may give: each is looked for 
 MAX_STOP_CHARS = 1024  # the longest stop string
 REQUEST_THREADS = 2  # threads parsing, validating and tokenising bodies (under the GIL, more only queue longer)
 SCHEMA_THREADS = 2  # threads compiling response_format schemas: apart, so hostile schemas cannot starve the rest
+JSON_OBJECT = json_object_regex()  # the pattern of response_format {"type": "json_object"}
+
+
+@functools.cache
+def json_object_dfa() -> RegexDFA:
+    """JSON_OBJECT's automaton (663 states, 1-2 s to compile), compiled once per process however many apps start:
+    each app builds its token index from it at start-up (`AsyncEngine.start`)."""
+    return RegexDFA(JSON_OBJECT)
 
 
 def lone_surrogate(body: Any) -> str | None:
@@ -185,7 +195,7 @@ class _Sampling(BaseModel):
                                     '"schema": {...}}}.', param="response_format", code="invalid_value")
             return schema
         if kind == "json_object":
-            return json_object_regex()
+            return JSON_OBJECT
         raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema.",
                        param="response_format", code="invalid_value")
 
@@ -423,6 +433,7 @@ class AsyncEngine:
             longest = max((len(t) for t in engine.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = 2 * engine.model.config.max_seq_len * longest
         self.constraints: dict[str, TokenIndex] = {}  # compiled response_format schemas, by their JSON
+        self.json_object: TokenIndex | None = None  # json_object's, built at start-up (`start`), never dropped
         # Work too slow for the event loop, in bounded pools of its own: bodies (parse, validate, template,
         # tokenise), and schemas (compile) apart from them. `off_loop` refuses work past max_queue waiting.
         self.request_pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="minillm-request")
@@ -445,6 +456,14 @@ class AsyncEngine:
             return await asyncio.get_running_loop().run_in_executor(pool, work, *args)
         finally:
             self.pending -= 1
+
+    async def start(self) -> None:
+        """At start-up, before any request: build json_object's token index off the event loop, so that a request for
+        it never pays the compile, and no hostile schema can push it out of the cache (`constraint`)."""
+        if self.engine.tokenizer is not None:
+            self.json_object = await asyncio.get_running_loop().run_in_executor(
+                self.schema_pool, TokenIndex.from_constraint, json_object_dfa(), self.engine.tokenizer,
+                self.engine.model.config.eos_token_ids)
 
     def close_pools(self) -> None:
         """Stop the threads (at shutdown): what is queued is dropped, what runs finishes."""
@@ -537,6 +556,8 @@ class AsyncEngine:
         request with the same one; None for free text. A schema minillm cannot turn into a pattern is a 400."""
         if schema is None:
             return None
+        if schema == JSON_OBJECT and self.json_object is not None:  # built at start-up
+            return self.json_object
         key = json.dumps(schema, sort_keys=True)
         if key not in self.constraints:
             if self.engine.tokenizer is None:
@@ -633,6 +654,9 @@ class DisaggregatedAsyncEngine(AsyncEngine):
         self.worker_blocks_total = Gauge("minillm_worker_kv_blocks_total", "KV-cache blocks in each worker's pool.",
                                          ["worker"], registry=self.metrics.registry)
         self.logged_down = False
+
+    async def start(self) -> None:
+        """Nothing to build: response_format does not cross the prefill/decode split (`check_request` refuses it)."""
 
     async def wait_for_requests(self) -> None:
         """Sleep until a handler adds a request, or `idle_check_s` has passed."""
@@ -781,6 +805,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()  # json_object's automaton, before the first request
         state.task = asyncio.create_task(state.loop())  # the engine loop runs as long as the server
         yield
         state.task.cancel()

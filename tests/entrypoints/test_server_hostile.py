@@ -297,3 +297,42 @@ def test_a_repeated_error_line_is_logged_a_few_times_then_counted():
     assert len(lines) == 3 + 2 + 1, lines  # the first 3, the 10th and 20th with their count, the other line
     assert lines[3].endswith("[repeated 10 times; logging one in 10]") and records[3].exc_info is None
     assert lines[-1] == "another line"
+
+
+# ---------------------------------------------------------------------- 5. json_object compiled once, at start-up
+def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, monkeypatch):
+    """response_format json_object compiled its pattern at the first request that asked (1-2 s, under a time budget
+    that a loaded machine could fail), and 64 other schemas pushed it out of the cache. Now the app builds its token
+    index as it starts, before answering anything, and no request builds it again."""
+    from types import SimpleNamespace
+
+    from conftest import served_in_thread
+
+    from minillm.entrypoints.server import JSON_OBJECT, create_app
+    from minillm.sampler.constrained import TokenIndex, schema_to_regex
+
+    built: list[str] = []
+    original = TokenIndex.__init__
+
+    def counting(index: TokenIndex, dfa, *args, **kwargs) -> None:
+        built.append(dfa.pattern)
+        original(index, dfa, *args, **kwargs)
+
+    monkeypatch.setattr(TokenIndex, "__init__", counting)
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, max_num_seqs=4)
+    app = create_app(engine, MODEL, api_key=KEY)
+    assert built == [], "nothing is compiled before the app starts"
+    with served_in_thread(app, log_level="critical") as url:
+        assert built == [JSON_OBJECT], "the start-up built json_object's index"
+        served = SimpleNamespace(url=url)
+        for seed in range(2):
+            chat = post(served, {"model": MODEL, "messages": [{"role": "user", "content": "Speak."}], "seed": seed,
+                                 "max_tokens": 12, "response_format": {"type": "json_object"}}, "chat/completions")
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["choices"][0]["message"]["content"].startswith("{"), chat.text
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        done = post(served, {"model": MODEL, "prompt": "A", "max_tokens": 8, "response_format": response_format})
+        assert done.status_code == 200, done.text
+    assert built == [JSON_OBJECT, schema_to_regex(schema)], "json_object was not compiled again; the schema was"

@@ -104,17 +104,19 @@ class TokenIndex:
 
     @classmethod
     def from_constraint(
-        cls, constraint: str | dict, tokenizer: Tokenizer, eos_token_ids: Iterable[int] = ()
+        cls, constraint: str | dict | RegexDFA, tokenizer: Tokenizer, eos_token_ids: Iterable[int] = ()
     ) -> TokenIndex:
-        """A regex (str) or a JSON schema (dict) -> its index over `tokenizer`'s vocabulary; EOS is any
-        of `eos_token_ids` and the tokenizer's own."""
-        if not isinstance(constraint, (str, dict)):
+        """A regex (str), a JSON schema (dict) or a compiled `RegexDFA` -> its index over `tokenizer`'s vocabulary;
+        EOS is any of `eos_token_ids` and the tokenizer's own."""
+        if not isinstance(constraint, (str, dict, RegexDFA)):
             raise TypeError(f"a constraint is a regex (str) or a JSON schema (dict), got {type(constraint).__name__} "
                             f"{constraint!r}.")
-        pattern = schema_to_regex(constraint) if isinstance(constraint, dict) else constraint
         eos = set(eos_token_ids) | set(tokenizer.eos_token_ids)
         if not eos:
             raise ValueError("constrained decoding needs an EOS token id to end on; pass eos_token_ids=...")
+        if isinstance(constraint, RegexDFA):
+            return cls(constraint, vocabulary_bytes(tokenizer), eos)
+        pattern = schema_to_regex(constraint) if isinstance(constraint, dict) else constraint
         return cls(RegexDFA(pattern), vocabulary_bytes(tokenizer), eos)
 
     @property
