@@ -83,6 +83,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -117,6 +118,7 @@ log = logging.getLogger("minillm")
 MAX_N = 16  # the most completions (n, best_of) one request may ask for
 MAX_STOP = 64  # the most stop strings one request may give: each is looked for after every token
 MAX_STOP_CHARS = 1024  # the longest stop string
+SHUTDOWN_MARGIN_S = 0.5  # open streams end this long before the shutdown limit, so that their last event gets out
 REQUEST_THREADS = 2  # threads parsing, validating and tokenising bodies (under the GIL, more only queue longer)
 SCHEMA_THREADS = 2  # threads compiling response_format schemas: apart, so hostile schemas cannot starve the rest
 JSON_OBJECT = json_object_regex()  # the pattern of response_format {"type": "json_object"}
@@ -266,6 +268,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+class ShutdownError(APIError):
+    """The server's shutdown limit came before the request finished (`AsyncEngine.end_all`): a 503, and for a stream
+    a last chunk whose finish_reason is "abort" for each choice still open, then [DONE]."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down and ended this request before it finished: retry it.",
+                         "server_error", code="server_shutting_down")
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -443,6 +454,8 @@ class AsyncEngine:
         self.waiters: dict[str, _Waiter] = {}
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.draining = False  # the graceful shutdown has begun (`drain`): no new request is taken
+        self.cut: asyncio.TimerHandle | None = None  # when the open requests will be ended (`end_all`)
 
     async def off_loop(self, pool: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Any:
         """work(*args) in one of the pools, while the event loop goes on serving (/health, the streams); a 429 when
@@ -464,6 +477,27 @@ class AsyncEngine:
             self.json_object = await asyncio.get_running_loop().run_in_executor(
                 self.schema_pool, TokenIndex.from_constraint, json_object_dfa(), self.engine.tokenizer,
                 self.engine.model.config.eos_token_ids)
+
+    def drain(self, timeout_s: float | None) -> None:
+        """The graceful shutdown begins (`run_uvicorn`), and uvicorn will cut what is still open in `timeout_s`
+        seconds (None: it waits for every stream to finish). Take no new request, and end the open ones a little
+        before that limit (`end_all`), so that every stream gets its last event instead of a cut connection."""
+        self.draining = True
+        if timeout_s is not None:
+            delay = max(0.0, timeout_s - min(SHUTDOWN_MARGIN_S, timeout_s / 4))
+            self.cut = asyncio.get_running_loop().call_later(delay, self.end_all)
+
+    def end_all(self) -> None:
+        """The shutdown limit is near: abort every unfinished request and end its handler with `ShutdownError`."""
+        open_ = [request_id for request_id, waiter in self.waiters.items() if not waiter.done and waiter.error is None]
+        if open_:
+            log.warning("the shutdown limit is near: ending %d unfinished request(s)", len(open_))
+        self.engine.abort_request(open_)
+        for request_id in open_:
+            waiter = self.waiters[request_id]
+            waiter.error = ShutdownError()
+            waiter.queue.put_nowait(None)
+            self.metrics.finished.labels("abort").inc()
 
     def close_pools(self) -> None:
         """Stop the threads (at shutdown): what is queued is dropped, what runs finishes."""
@@ -576,6 +610,9 @@ class AsyncEngine:
 
     def add(self, prompt: str | list[int], params: SamplingParams,
             constraint: TokenIndex | None = None, lora: str | None = None) -> tuple[str, _Waiter]:
+        if self.draining:
+            raise APIError(503, "the server is shutting down: send the request to another server, or retry later.",
+                           "server_error", code="server_shutting_down")
         if self.engine.num_unfinished_requests >= self.max_queue:
             raise APIError(429, f"the server already holds {self.max_queue} unfinished requests (its queue limit); "
                                 "retry later.", "rate_limit_exceeded", code="queue_full")
@@ -808,6 +845,8 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
         await state.start()  # json_object's automaton, before the first request
         state.task = asyncio.create_task(state.loop())  # the engine loop runs as long as the server
         yield
+        if state.cut is not None:
+            state.cut.cancel()
         state.task.cancel()
         state.close_pools()
         engine.shutdown()  # its worker processes, if it has any (--disaggregate, --tensor-parallel-size)
@@ -975,6 +1014,7 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
         async def events() -> AsyncIterator[str]:
             chunk_kind = kind + (".chunk" if chat else "")
             offsets = dict.fromkeys(range(params.n), 0)  # completions' text_offset, per choice
+            ended: set[int] = set()  # the choices whose last chunk was sent
             try:
                 for i in range(params.n):  # chat's first chunk names the role, as OpenAI's does; echo's is the prompt
                     if chat:
@@ -995,6 +1035,14 @@ def create_app(engine: LLMEngine | DisaggregatedEngine, model_name: str, max_que
                             choice = {"index": out.index, "text": out.new_text, "logprobs": lp}
                         yield _sse(request_id, chunk_kind, created, body.model,
                                    choice | {"finish_reason": out.finish_reason if out.finished else None})
+                    if out.finished:
+                        ended.add(out.index)
+                yield "data: [DONE]\n\n"
+            except ShutdownError:  # the shutdown limit (`AsyncEngine.end_all`): open choices end "abort", as vLLM's
+                for i in sorted(set(range(params.n)) - ended):
+                    empty = {"delta": {}} if chat else {"text": "", "logprobs": None}
+                    yield _sse(request_id, chunk_kind, created, body.model,
+                               {"index": i, **empty, "finish_reason": "abort"})
                 yield "data: [DONE]\n\n"
             except APIError as exc:  # the engine failed on this request: say so in the stream, then end it
                 yield f"data: {json.dumps(exc.body())}\n\n"
@@ -1155,11 +1203,10 @@ def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8
     """Serve `model` (a shipped name or a folder) until interrupted (`minillm serve`): the engine from
     `build_engine(model, **engine_options)`, as `served_model_name` (default: the folder's name), asking
     for `api_key` on /v1/ routes if given. Warns when a non-loopback address is served without a key. On SIGTERM
-    (or Ctrl-C) the open streams get `shutdown_timeout` seconds to finish (None: as long as they take). An idle
+    (or Ctrl-C) the open streams get `shutdown_timeout` seconds to finish (None: as long as they take), and those still
+    open then end with a last chunk whose finish_reason is "abort" (`AsyncEngine.drain`). An idle
     connection is closed after `timeout_keep_alive` seconds; past `limit_concurrency` open connections and tasks,
     uvicorn answers 503 at once (None: no limit), so that idle or slow clients cannot hold every socket."""
-    import uvicorn
-
     engine = build_engine(model, **engine_options)
     try:
         name = served_model_name or str(model).rstrip("/").split("/")[-1]
@@ -1169,13 +1216,31 @@ def serve(model: str = "shakespeare-11m", host: str = "127.0.0.1", port: int = 8
             log.warning(
                 "serving on %s without an API key: anyone who can reach port %d can generate. Set --api-key (or "
                 "MINILLM_API_KEY), or serve on 127.0.0.1.", host, port)
-        # On SIGTERM, open streams get shutdown_timeout seconds to finish; then the server stops anyway.
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
+        # On SIGTERM, open streams get shutdown_timeout seconds to finish; then they end with finish_reason "abort".
+        run_uvicorn(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
                     timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     finally:
         # The app's shutdown stops the engine's workers (after it uvicorn raises a SIGTERM again, so no code runs
         # here then); this stops them when the server never started (a port in use, an empty API key).
         engine.shutdown()
+
+
+def run_uvicorn(app: FastAPI, **options: Any) -> None:
+    """Serve `app` as `uvicorn.run(app, **options)` does, except that the graceful shutdown (SIGTERM, Ctrl-C) tells the
+    app as it begins (`AsyncEngine.drain`): uvicorn waits timeout_graceful_shutdown seconds for the open responses,
+    then cancels them mid-stream, and only then runs the app's own shutdown, too late for a last event."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            app.state.engine.drain(self.config.timeout_graceful_shutdown)
+            await super().shutdown(sockets)
+
+    server = DrainingServer(uvicorn.Config(app, **options))
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the server could not start (a port in use, say), and uvicorn logged why
 
 
 @contextlib.contextmanager
@@ -1192,7 +1257,6 @@ def serve_in_background(model: str = "shakespeare-11m", timeout_s: float = 60, e
     """
     import socket
     import subprocess
-    import sys
 
     import httpx
 

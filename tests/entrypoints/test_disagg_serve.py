@@ -99,7 +99,7 @@ def test_what_the_split_cannot_serve_gets_a_400_naming_it(server, field, extra):
     (["--tensor-parallel-size", "2"], "tensor parallelism"),
 ])
 def test_flags_the_workers_cannot_honour_end_the_command_with_one_line(flags, says, capsys, monkeypatch):
-    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("nothing may be served"))
+    monkeypatch.setattr("minillm.entrypoints.server.run_uvicorn", lambda *a, **k: pytest.fail("nothing may be served"))
     assert cli.main(["serve", "--model", MODEL, "--disaggregate", *flags]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("minillm: error: --disaggregate") and says in err and "\n" not in err, err

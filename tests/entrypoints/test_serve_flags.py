@@ -158,7 +158,7 @@ def other_vocabulary(tmp_path_factory):
 ])
 def test_impossible_combinations_end_with_one_line(flags, says, other_vocabulary, capsys, monkeypatch):
     monkeypatch.delenv("MINILLM_API_KEY", raising=False)
-    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("nothing may be served"))
+    monkeypatch.setattr("minillm.entrypoints.server.run_uvicorn", lambda *a, **k: pytest.fail("nothing may be served"))
     flags = [str(other_vocabulary) if f == "OTHER" else f for f in flags]
     assert cli.main(["serve", "--model", MODEL, *flags]) == 1
     err = capsys.readouterr().err.strip()
@@ -176,7 +176,8 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
     served = []
-    monkeypatch.setattr("uvicorn.run", lambda app, host, port, **_: served.append(host))  # no socket is opened
+    # no socket is opened
+    monkeypatch.setattr("minillm.entrypoints.server.run_uvicorn", lambda app, host, port, **_: served.append(host))
     with caplog.at_level(logging.WARNING, logger="minillm"):
         serve(MODEL, host="0.0.0.0", port=8123)
         assert "without an API key" in caplog.text and "--api-key" in caplog.text

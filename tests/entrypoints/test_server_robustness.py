@@ -208,7 +208,8 @@ def test_a_step_that_fails_fails_its_requests_only_and_the_server_goes_on(server
 
 def test_shutdown_timeout_bounds_the_drain(monkeypatch):
     seen = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))  # no socket is opened
+    # no socket is opened
+    monkeypatch.setattr("minillm.entrypoints.server.run_uvicorn", lambda app, **kwargs: seen.update(kwargs))
     serve(MODEL, shutdown_timeout=2.5)
     assert seen["timeout_graceful_shutdown"] == 2.5 and seen["host"] == "127.0.0.1"
 
