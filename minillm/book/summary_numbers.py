@@ -23,12 +23,15 @@ tests/book/test_summary_numbers.py runs it on every chapter. What it checks:
   onto a letter (8B, 128K), compound adjectives (8-bit, 200-document), and numbers inside code spans, LaTeX and
   links. Each end of a range counts (0.61–0.99x is 0.61x and 0.99x).
 * **What supports one.** A number printed (stream and text/plain outputs) by the code cells the cell reads, or in a
-  results file the cell's own text names (`results/x/y.json`, `minillm.book.results_index.citations`), that rounds
+  results file the cell's own text names (`results/<benchmark>/<file>.json`, `results_index.citations`), that rounds
   to the quoted figure at its precision (1.955 supports "1.96x" and "2.0x", not "1.9x"), in absolute value. A
   summary reads every code cell of the notebook; a reading cell, the code cells of its own section above it. A
   number printed with a unit supports only that unit (or its family: "0.0083 s" supports "8.3 ms"); a bare one, as
   in a table's column, may hold the figure in the unit's usual forms (0.53 for 53%, seconds for milliseconds,
   bytes for GiB). A results file the code loads supports nothing by itself: a figure the prose repeats is printed.
+* **Derived figures.** A figure computed from printed ones (a ratio, a share) may show its arithmetic in LaTeX right
+  after it, "falls by 44% ($1 - 0.00335 / 0.00600$)": it is supported if every decimal in the arithmetic is
+  supported and the arithmetic gives the figure. (Printing the figure is the other way.)
 * **How strict that is.** A pool of every number a notebook prints is large, and a one- or two-digit figure (6%,
   0.7x) often finds a neighbour there by chance, so a stale figure of that size can pass; a figure of three
   significant digits (31.2x, 0.022 USD) rarely does. Printing the numbers a reading quotes in the cell it reads
@@ -40,6 +43,7 @@ tests/book/test_summary_numbers.py runs it on every chapter. What it checks:
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -69,7 +73,8 @@ UNITS = {
     "ms": r"\s?ms\b",
     "us": r"\s?(?:µs|μs|us)\b",
     "ns": r"\s?ns\b",
-    "s": r"\s?s\b",
+    "s": r"\ss\b",  # "1.6 s"; "128s" is a plural
+    "points": r"\s(?:percentage )?points?\b",  # "2.15 points" of a percentage
     "GiB": r"\s?GiB\b",
     "MiB": r"\s?MiB\b",
     "KiB": r"\s?KiB\b",
@@ -87,6 +92,7 @@ FAMILY = {unit: "time" if unit.endswith("s") else "bytes" for unit in SIZE}
 # A bare number (a table's column, a results file's field) may hold a quote's figure in another form: the factors.
 BARE_SCALES: dict[str, tuple[float, ...]] = {
     "percent": (1.0, 100.0),  # 53% from 0.53
+    "points": (1.0, 100.0),  # 2.15 points from 0.0215
     "ms": (1.0, 1e3, 1e-3),  # from seconds or microseconds
     "us": (1.0, 1e6, 1e3),  # from seconds or milliseconds
     "ns": (1.0, 1e9),
@@ -110,6 +116,11 @@ PRINTED = re.compile(r"(?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|\d+(?:\.\d+
                      + "|".join(f"(?P<{kind}>{pattern})" for kind, pattern in UNITS.items()) + r")?")
 
 
+# A derived figure shows its arithmetic right after it, in LaTeX: "44% ($1 - 0.00335 / 0.00600$)".
+DERIVATION = re.compile(r"\s*\(\$(?P<expr>(?:[-+*/().\d\s]|\\cdot|\\times)+)\$")
+OPERAND = re.compile(r"\d+(?:\.\d+)?")
+
+
 @dataclass(frozen=True)
 class Quote:
     """One figure a cell's prose quotes: "31.2x" is value 31.2, 1 decimal, unit kind "ratio"."""
@@ -131,12 +142,14 @@ class Finding:
     quote: Quote
     sentence: str
     looked_in: tuple[str, ...]
+    note: str = ""  # what was wrong with the figure's derivation, where it shows one
 
     def message(self) -> str:
         """Where the figure is, the sentence around it, and where it was looked for."""
         files = ", ".join(self.looked_in[1:]) or "no results file"
+        note = f"\n    its derivation: {self.note}" if self.note else ""
         return (f"{self.notebook}, cell {self.cell}: {self.quote.text!r} is not printed by the notebook and is in no "
-                f"results file it cites\n    \"{self.sentence}\"\n    looked in: {self.looked_in[0]}; {files}")
+                f"results file it names\n    \"{self.sentence}\"\n    looked in: {self.looked_in[0]}; {files}{note}")
 
 
 @dataclass(frozen=True)
@@ -285,6 +298,38 @@ def supports(quote: Quote, printed: Iterable[Printed]) -> bool:
     return False
 
 
+def derivation_fault(text: str, quote: Quote, printed: list[Printed]) -> str | None:
+    """Check a figure's derivation, the LaTeX arithmetic right after it: None if it gives the figure from supported
+    numbers, else what is wrong ("" when there is no derivation). Integers in it (1 - a / b) are constants."""
+    found = DERIVATION.match(text, quote.end)
+    if not found:
+        return ""
+    expr = found["expr"].replace("\\cdot", "*").replace("\\times", "*")
+    for operand in OPERAND.finditer(expr):
+        number = Quote(operand[0], float(operand[0]), len(operand[0].partition(".")[2]), "", 0, 0)
+        if number.decimals and not supports(number, printed):
+            return f"${found['expr']}$: {operand[0]} is not printed"
+    try:
+        value = _evaluate(ast.parse(expr, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return f"${found['expr']}$ is not arithmetic"
+    if not supports(quote, [Printed(abs(value), "")]):
+        return f"${found['expr']}$ = {value:.4g}, not {quote.text}"
+    return None
+
+
+def _evaluate(node: ast.expr) -> float:
+    """The value of an arithmetic expression's tree: numbers, + - * /, and signs."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return -_evaluate(node.operand) if isinstance(node.op, ast.USub) else _evaluate(node.operand)
+    operators = {ast.Add: float.__add__, ast.Sub: float.__sub__, ast.Mult: float.__mul__, ast.Div: float.__truediv__}
+    if isinstance(node, ast.BinOp) and type(node.op) in operators:
+        return operators[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    raise ValueError("not arithmetic")
+
+
 def section_code_cells(cells: list[dict[str, Any]], index: int) -> list[int]:
     """The code cells a reading cell reads: those after the last heading above it."""
     first = 0
@@ -318,7 +363,9 @@ def check(path: Path, allowed: Iterable[Allowed] = ()) -> list[Finding]:
         for quote in quoted_numbers(text):
             if any(a <= quote.start and quote.end <= b for a, b in exempt) or supports(quote, printed):
                 continue
-            findings.append(Finding(rel, index, quote, sentence_at(text, quote.start, quote.end), where))
+            fault = derivation_fault(text, quote, printed)
+            if fault is not None:
+                findings.append(Finding(rel, index, quote, sentence_at(text, quote.start, quote.end), where, fault))
     return findings
 
 

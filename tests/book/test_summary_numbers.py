@@ -94,6 +94,18 @@ def test_a_reading_reads_its_own_section_and_the_files_it_names(tmp_path):
     assert summary_numbers.check(notebook(tmp_path, cells)) == [], "a results file the cell names supports it"
 
 
+def test_a_derived_figure_is_supported_by_its_arithmetic_from_printed_numbers(tmp_path):
+    table = ("code", "", "KL: RTN 0.00600, GPTQ 0.00335")
+    right = ("markdown", "## Summary\n\nGPTQ cuts KL by 44% ($1 - 0.00335 / 0.00600$).", "")
+    assert summary_numbers.check(notebook(tmp_path, [table, right])) == []
+    wrong = ("markdown", "## Summary\n\nGPTQ cuts KL by 40% ($1 - 0.00335 / 0.00600$).", "")
+    [finding] = summary_numbers.check(notebook(tmp_path, [table, wrong]))
+    assert "its derivation: $1 - 0.00335 / 0.00600$ = 0.4417, not 40%" in finding.message()
+    unprinted = ("markdown", "## Summary\n\nGPTQ cuts KL by 44% ($1 - 0.00335 / 0.00601$).", "")
+    [finding] = summary_numbers.check(notebook(tmp_path, [table, unprinted]))
+    assert "0.00601 is not printed" in finding.message()
+
+
 def test_summary_sections_end_at_the_next_heading_and_the_allowlist_exempts_phrases(tmp_path):
     cells = [("markdown", "## 9. Pitfalls\n\nA 3.3x slip.\n\n## 10. Summary\n\n- The engine 4.4x; a paper's 7.7x.", ""),
              ("markdown", "More summary: 5.5 ms.\n\n## 11. Appendix\n\n6.6x is not the summary's.", ""),
