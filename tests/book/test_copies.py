@@ -8,6 +8,10 @@ reference's once names and docstrings are normalised away, and shows the teacher
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+import time
 
 from minillm.book.grading.forgery import copied_from, normalised, read_source, similarity
 from minillm.book.grading.sandbox import code_fingerprint
@@ -79,3 +83,43 @@ def test_the_call_watchers_fingerprint_ignores_local_names_and_the_docstring():
 
     assert code_fingerprint(scaled.__code__) == code_fingerprint(renamed.__code__)
     assert code_fingerprint(renamed.__code__) != code_fingerprint(other.__code__)
+
+
+def test_the_sandbox_knows_a_renamed_copy_by_a_digest_and_never_receives_the_reference(tmp_path, needs_bwrap):
+    """The watcher runs in the sandbox on digests the grader sent (fingerprints and references stay here), and
+    knows a copy compiled in a notebook cell (where `torch.full` is a method load, not an attribute load); the
+    task modules are an empty folder there, so the notebook cannot read the reference it would need to copy."""
+    import nbformat
+    import torch
+
+    from minillm.book.grading.sandbox import Sandbox, watch_list
+
+    digests = watch_list(FORBIDDEN)["codes"]
+    assert list(digests.values()) == [FORBIDDEN[0]] and all(len(d) == 64 for d in digests)
+    path = tmp_path / "copy.ipynb"
+    reads = ("import pathlib, minillm\ntasks = pathlib.Path(minillm.__file__).parent / 'book' / 'grading' / 'tasks'\n"
+             "seen = sorted(p.name for p in tasks.iterdir())")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(RENAMED_COPY),
+                                                   nbformat.v4.new_code_cell(reads)]), path)
+    q, k, v = torch.randn(3, 8), torch.randn(10, 8), torch.randn(10, 8)
+    with Sandbox(path, timeout_s=120) as box:
+        box.start()
+        got, forbidden = box.call("online_attention", (q, k, v, 4), {}, FORBIDDEN, time.monotonic() + 60,
+                                  task="02.online_softmax")
+        seen, _ = box.call("lambda: seen", (), {}, (), time.monotonic() + 30)
+    assert forbidden == []  # not a call of the reference (it is not there to call), but a copy of it: a flag
+    assert {"flag": f"ran a copy of {FORBIDDEN[0]}: the same instructions once names and docstrings are set aside",
+            "task": "02.online_softmax"} in box.flags, box.flags
+    assert torch.allclose(got, torch.softmax(q @ k.T * 8 ** -0.5, -1) @ v, atol=1e-5)
+    assert seen == [], seen
+
+
+def test_a_fingerprints_digest_is_the_same_in_every_process():
+    """A set constant's repr follows string hashing, which differs per process (PYTHONHASHSEED): the digest the
+    grader computes must still be the one the sandbox computes."""
+    code = ("from minillm.book.grading.sandbox import fingerprint_digest\n"
+            "def f(mode):\n    return mode in {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}\n"
+            "print(fingerprint_digest(f.__code__))")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                              capture_output=True, text=True, check=True).stdout for seed in (1, 2, 3)}
+    assert len(digests) == 1, digests

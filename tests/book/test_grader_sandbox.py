@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from conftest import GRADER_IMPORTS
 from conftest import OWN_ROPE as OWN_ROPE_ONLY
 
@@ -71,16 +72,17 @@ def attacks(bob: Path, hidden: Path) -> dict[str, list[str]]:
             "import importlib, sys\ndef rms_norm(x, weight, eps=1e-5):\n    sys.setprofile(None)\n"
             "    norm = getattr(importlib.import_module('minillm.' + 'model'), 'RMS' + 'Norm')(x.shape[-1], eps)\n"
             "    norm.weight.data = weight.float()\n    return norm.to(weight.dtype)(x)"],
-        # the harness's answer function, found through gc and replaced by one that hands in the reference
+        # the harness's answer function, found through gc and replaced by one that hands in the engine's
         "patches_the_harness": [
             BLANK_RMS,
-            "import gc, importlib\nref = importlib.import_module('minillm.book.grading.tasks.ch00')\n"
+            "import gc, importlib\nref = importlib.import_module('minillm.' + 'model')\n"
             "for o in gc.get_objects():\n"
             "    if isinstance(o, dict) and callable(o.get('_answer_call')) and callable(o.get('_call_watched')):\n"
             "        real = o['_answer_call']\n"
             "        def fake(request, namespace, real=real):\n"
             "            if request['answer'] == 'rms_norm':\n"
-            "                namespace = dict(namespace, rms_norm=ref.reference_rms_norm)\n"
+            "                norm = lambda x, w, eps=1e-5: ref.RMSNorm(x.shape[-1], eps)(x)\n"
+            "                namespace = dict(namespace, rms_norm=norm)\n"
             "            return real(request, namespace)\n"
             "        o['_answer_call'] = fake\n"
             "        o['_call_watched'] = lambda fn, forbid: (*(lambda v: (v, None))(fn()), [])"],
@@ -129,8 +131,9 @@ def test_every_route_to_an_unearned_grade_scores_zero_or_is_flagged(tmp_path, ne
         assert tasks[name]["00.rms_norm"]["score"] == 0
         assert "FileNotFoundError" in " ".join(grades[name]["notes"]), grades[name]["notes"]
     assert "calls exec()" in " ".join(tasks["execs_the_solution"]["00.rms_norm"]["review"])
-    reference = tasks["execs_the_reference"]["00.rms_norm"]
-    assert reference["score"] == 0 and "no credit: while it was tested" in reference["reason"], reference
+    reference = tasks["execs_the_reference"]["00.rms_norm"]  # the task modules are not there to read
+    assert reference["score"] == 0, reference
+    assert "No module named 'minillm.book.grading.tasks.ch00'" in " ".join(grades["execs_the_reference"]["notes"])
     watcher = tasks["switches_off_the_watcher"]["00.rms_norm"]
     assert watcher["score"] == 0 and "profiler" in watcher["reason"], watcher
     harness = " ".join(tasks["patches_the_harness"]["00.rms_norm"]["review"])
@@ -271,19 +274,33 @@ def test_the_sandbox_sees_no_class_folder_solutions_or_grader(tmp_path, needs_bw
     assert seen["class"] is False and len(seen["pids"]) <= 3, seen
 
 
-def test_the_call_watcher_knows_a_renamed_copy_by_what_its_code_does():
-    """A forbidden function's source exec'd under another name is a new code object; its fingerprint matches."""
+def test_the_call_watcher_knows_a_call_and_a_renamed_copy_by_what_its_code_does(monkeypatch):
+    """A forbidden function's source exec'd under another name is a new code object; its fingerprint matches, and
+    it is a copy (a review flag) where a call of the library's own function is a call (no credit); a copy of a
+    one-line formula is neither (everyone writes it alike)."""
     import inspect
 
+    import minillm.book.grading.sandbox as sandbox_module
     from minillm import arithmetic
-    from minillm.book.grading.sandbox import _call_watched
+    from minillm.book.grading.sandbox import COPY_MIN_STEPS, _call_watched, code_fingerprint, watch_list
+    from minillm.sampler import sampling
 
-    namespace: dict = {}
+    flags: list[str] = []
+    monkeypatch.setattr(sandbox_module, "raise_flag", flags.append)
+    assert len(code_fingerprint(sampling.top_p_filter.__code__)[0]) >= COPY_MIN_STEPS
+    namespace: dict = dict(vars(sampling))  # the globals the copied source reads
+    exec(inspect.getsource(sampling.top_p_filter).replace("def top_p_filter", "def mine"), namespace)  # noqa: S102
+    logits, watch = torch.randn(2, 9), watch_list(("minillm.sampler.sampling.top_p_filter",))
+    value, error, hits = _call_watched(lambda: namespace["mine"](logits, 0.5), watch)
+    assert error is None and hits == [] and torch.equal(value, sampling.top_p_filter(logits, 0.5))
+    assert flags == ["ran a copy of minillm.sampler.sampling.top_p_filter: the same instructions once names and "
+                     "docstrings are set aside"]
+    assert _call_watched(lambda: sampling.top_p_filter(logits, 0.5), watch)[2] == [
+        "minillm.sampler.sampling.top_p_filter"]
     exec(inspect.getsource(arithmetic.cdiv).replace("def cdiv", "def my_ceiling"), namespace)  # noqa: S102
-    value, error, hits = _call_watched(lambda: namespace["my_ceiling"](7, 2), ["minillm.arithmetic.cdiv"])
-    assert (value, error, hits) == (4, None, ["minillm.arithmetic.cdiv"])
-    value, error, hits = _call_watched(lambda: -(-7 // 2), ["minillm.arithmetic.cdiv"])  # one's own: not a hit
-    assert (value, hits) == (4, [])
+    flags.clear()
+    value, error, hits = _call_watched(lambda: namespace["my_ceiling"](7, 2), watch_list(("minillm.arithmetic.cdiv",)))
+    assert (value, error, hits, flags) == (4, None, [], [])
 
 
 def test_python_under_tmp_stays_visible_in_the_sandbox(monkeypatch):

@@ -167,3 +167,50 @@ def test_a_thread_running_before_the_call_is_watched_or_flagged(tmp_path):
         assert sandbox.call("answer", (2,), {}, (), time.monotonic() + 30, task="00.rms_norm")[0] == 4
         flagged = [f for f in sandbox.flags if "thread(s) the notebook started" in f["flag"]]
         assert len(flagged) == (0 if sys.version_info >= (3, 12) else 1), sandbox.flags
+
+
+SLOW_FIRST_CALL = """import time
+warm = []
+def answer(x):
+    if not warm:  # a first call that pays a warm-up (a compile, a cache) in every new process
+        time.sleep(3)
+        warm.append(True)
+    return x
+def hangs(x):
+    time.sleep(3600)
+"""
+
+
+def test_one_slow_first_call_fails_its_test_only_and_a_hung_one_costs_a_restart(tmp_path, monkeypatch):
+    """A call that returns late (within LATE_GRACE_S) fails its test and keeps the warm process, so the task's
+    other tests run; one that hangs is stopped, and the next call starts the notebook again, its re-run not
+    counted against the test's time."""
+    import minillm.book.grading.sandbox as sandbox_module
+    from minillm.book.grading.check import _TimeLimitError
+    from minillm.book.grading.sandbox import RemoteAnswer
+
+    monkeypatch.setattr(sandbox_module, "LATE_GRACE_S", 5.0)
+    path = _notebook(tmp_path / "slow.ipynb", SLOW_FIRST_CALL)
+    with Sandbox(path, timeout_s=120, restarts=1, isolate=False) as sandbox:
+        sandbox.start()
+        pid, answer = sandbox.proc.pid, RemoteAnswer(sandbox, "answer", (), task="00.rms_norm")
+        answer.set_deadline(1.0)
+        with pytest.raises(_TimeLimitError) as slow:
+            answer(1)
+        assert slow.value.late_s is not None and 1.0 < slow.value.late_s < 5.0
+        answer.set_deadline(1.0)
+        assert answer(2) == 2 and sandbox.proc.pid == pid and sandbox.restarts_left == 1, "the same, warm process"
+
+        hung = RemoteAnswer(sandbox, "hangs", (), task="00.rotary")
+        hung.set_deadline(0.5)
+        start = time.monotonic()
+        with pytest.raises(_TimeLimitError) as stopped:
+            hung(1)
+        assert stopped.value.late_s is None and time.monotonic() - start < 0.5 + 5.0 + 10
+        again = RemoteAnswer(sandbox, "answer", (), task="00.rotary")
+        again.set_deadline(1.0)  # the restart re-runs the notebook first; the warm-up is then paid again, late
+        with pytest.raises(_TimeLimitError):
+            again(3)
+        assert sandbox.proc.pid != pid and sandbox.restarts_left == 0
+        again.set_deadline(1.0)
+        assert again(4) == 4

@@ -97,7 +97,11 @@ class TaskResult:
 
 
 class _TimeLimitError(Exception):
-    pass
+    """A test ran past its time limit; `late_s`: how long after it the answer still returned (None: it was stopped)."""
+
+    def __init__(self, late_s: float | None = None) -> None:
+        super().__init__()
+        self.late_s = late_s
 
 
 def _run_with_time_limit(fn: Callable[[], None], seconds: float) -> None:
@@ -153,8 +157,9 @@ def run_task(task_id: str, answer: Any, hidden: bool | None = None) -> TaskResul
             results.append(TestResult(t.name, True))
         except MismatchError as m:
             results.append(TestResult(t.name, False, f"{m.what}: expected {m.expected}; got {m.got}", m.hint))
-        except _TimeLimitError:
-            results.append(TestResult(t.name, False, f"took longer than {t.time_limit_s:g} s: "
+        except _TimeLimitError as exc:
+            late = "" if exc.late_s is None else f" (it returned {exc.late_s:.1f} s after that)"
+            results.append(TestResult(t.name, False, f"took longer than {t.time_limit_s:g} s{late}: "
                                       "look for a loop that never ends or one over every element"))
         except StudentError as exc:
             results.append(TestResult(t.name, False, exc.summary))

@@ -302,7 +302,7 @@ def load_extra_tests(folder: str | Path) -> int:
             raise ValueError(f"--extra-tests: {file} passes its own function `{own_probe}` to call_probed, but the "
                              "sandbox imports probes by name and cannot see this folder, so every notebook's test "
                              "would fail. Call the answer directly in the test, or use a probe from "
-                             "minillm.book.grading.tasks.")
+                             "minillm.book.grading.probes.")
         spec = importlib.util.spec_from_file_location(f"minillm_extra_tests.{file.stem}", file)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -18,9 +18,10 @@ modules import this, and `minillm.book.grading.check`, which runs the tests, imp
 to fill the registry.
 
 A test that must observe the reader's function from the inside (count the tokens it feeds the
-model, say) passes a *probe* to `call_probed`: a module-level function `probe(answer, *args)` of a task module
-(`minillm.book.grading.tasks`, which the sandbox imports it from by name; a hidden test's own file cannot hold one)
-that runs beside the answer, in the notebook's process when grading, and returns plain data.
+model, say) passes a *probe* to `call_probed`: a module-level function `probe(answer, *args)` of
+`minillm.book.grading.probes` (which the sandbox imports it from by name; the task modules themselves are not
+readable there, and a hidden test's own file cannot hold one) that runs beside the answer, in the notebook's
+process when grading, and returns plain data.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def register_task(task_id: str, signature: str, reference: Callable[..., Any], f
 def call_probed(answer: Any, probe: Callable[..., Any], *args: Any) -> Any:
     """`probe(answer, *args)`, run where the answer lives: here, or in the grader's sandbox.
 
-    A probe is a module-level function (the sandbox imports it by name) that calls the answer and
-    observes it from the inside, returning plain data: numbers, strings, tensors, lists, dicts.
+    A probe is a module-level function of `minillm.book.grading.probes` (the sandbox imports it by name) that
+    calls the answer and observes it from the inside, returning plain data: numbers, strings, tensors, lists,
+    dicts.
     """
     remote = getattr(answer, "call_probed", None)
     if remote is not None:

@@ -10,13 +10,22 @@
                             <-- "ran", errors --
     the task's tests run here; each call of the
     reader's function is a request:
-      call(answer, args)    -- pickled args -->    answer(*args), with the forbidden functions watched
+      call(answer, args)    -- args by value -->   answer(*args), with the forbidden functions watched
                             <-- plain data --      the result: tensors, numbers, strings, lists, dicts
                             <-- review flags --    (a third pipe, written the moment they happen)
 
-What comes back is read with `torch.load(weights_only=True)`, which builds tensors and Python's
-plain containers and refuses every other class, so no object of the notebook's making ever reaches
-the grader: the tests compare data the grader decoded itself, with its own code.
+Both ways a message is plain data (`minillm.book.grading.wire`), read with
+`torch.load(weights_only=True)`, which builds tensors and Python's plain containers and refuses every
+other class: no object of the notebook's making ever reaches the grader, and the tests compare data
+the grader decoded itself, with its own code.
+
+**What stays in the grader.** Everything that decides a grade: the task modules (references, tests,
+expected values and the hints built from them), the instructor's hidden tests, and the fingerprints
+of the code an answer must not call. The sandbox cannot even read the task modules (their folder is
+an empty mount there). A call brings the sandbox the inputs by value, the name of a probe from
+`minillm.book.grading.probes` where a test watches the answer from the inside (probes observe and
+hold no answers), and, for the call watcher, a digest of each forbidden function's fingerprint: it
+can tell a call of one when it sees it, and cannot rebuild one from it.
 
 **Isolation from the operating system.** The sandbox process runs inside bubblewrap (`bwrap`, the
 tool Flatpak uses): new user, pid, network, ipc, uts and mount namespaces, as the unprivileged
@@ -48,7 +57,9 @@ own work.
 from __future__ import annotations
 
 import collections
+import dis
 import functools
+import hashlib
 import inspect
 import io
 import json
@@ -70,6 +81,7 @@ from typing import Any
 import torch
 
 from minillm.book.grading.registry import _is_library_file
+from minillm.book.grading.wire import WireError, decode, encode, from_data, to_data
 
 LOG_KEEP_BYTES = 20_000  # of the notebook's own output: enough for the end of a traceback
 DEFAULT_MEMORY_BYTES = 4 * 2**30  # on top of what the sandbox's own imports use
@@ -78,9 +90,11 @@ MAX_FILE_BYTES = 256 * 2**20
 DEFAULT_CELL_TIMEOUT_S = 120.0  # one code cell; a cell past it is interrupted and the notebook goes on
 CELL_GRACE_S = 10.0  # a cell that the interrupt cannot stop (stuck in C code) is skipped after this much more
 MAX_SKIPPED_CELLS = 3  # ...and the notebook re-run without it, at most this often
-PROBE_MODULES = ("minillm.book.grading.tasks.",)  # where the probes a sandbox can import live
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # never readable in the sandbox
+PROBE_MODULES = ("minillm.book.grading.probes",)  # the probes a sandbox can import (it cannot see the tasks)
 ACK_WAIT_S = 2.0  # how long the grader waits for a call's acknowledgement on the flag pipe, after its reply
 EXIT_GRACE_S = 5.0  # a process whose reply channel closed has this long (within the deadline) to end by itself
+LATE_GRACE_S = 10.0  # a call past its limit is waited for this much longer before the process is stopped
 SANDBOX_HOME = "/home/student"  # the notebook's writable folder, inside bubblewrap
 SANDBOX_UID = 65534  # "nobody"
 _HEADER = struct.Struct(">Q")
@@ -92,6 +106,15 @@ class SandboxError(RuntimeError):
 
 class SandboxTimeoutError(SandboxError):
     """The notebook or one call of the reader's function ran past its time limit (the sandbox was killed)."""
+
+
+class SandboxLateError(SandboxTimeoutError):
+    """A call returned after its time limit but within LATE_GRACE_S of it: the test fails, the process (warm by
+    now) is kept, so one slow first call does not cost the task's other tests a restart."""
+
+    def __init__(self, late_s: float, forbidden: list[str]) -> None:
+        super().__init__(f"returned {late_s:.1f} s after the time limit")
+        self.late_s, self.forbidden = late_s, forbidden
 
 
 class SandboxUnavailableError(SandboxError):
@@ -134,6 +157,7 @@ def bwrap_command(disk_bytes: int | None = None) -> list[str]:
     args += ["--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     for path in readonly_paths():
         args += ["--ro-bind", path, path]
+    args += ["--tmpfs", str(TASKS_DIR)]  # the references and tests: an empty folder in the sandbox, wherever minillm is
     size = str(DEFAULT_DISK_BYTES if disk_bytes is None else int(disk_bytes))
     return args + ["--size", size, "--perms", "0700", "--tmpfs", SANDBOX_HOME, "--chdir", SANDBOX_HOME]
 
@@ -189,67 +213,13 @@ def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _receive(fd: int, deadline: float | None, trusted: bool) -> Any:
-    """One message. From the sandbox (`trusted=False`) only plain data is accepted."""
+def _receive(fd: int, deadline: float | None) -> Any:
+    """One message: plain data only, whichever side sent it (`minillm.book.grading.wire`)."""
     (length,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size, deadline))
     if length > 1 << 31:
         raise SandboxError(f"the sandbox sent a {length:,}-byte message; the grader reads at most 2 GiB")
     payload = io.BytesIO(_read_exactly(fd, length, deadline))
-    return torch.load(payload, weights_only=not trusted)
-
-
-# ---- what crosses back: plain data --------------------------------------------------------------
-
-
-class Opaque:
-    """Stands in, on the grader's side, for a returned object that is not plain data.
-
-    Its class is named after the original's (`type(x).__name__` says `ndarray`), so the tests'
-    messages ("expected a torch.Tensor, got ndarray") read as they would for the real object.
-    """
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def to_data(x: Any, depth: int = 0) -> Any:
-    """x as plain data: tensors (plain class, on the CPU), numbers, strings, bytes, lists, tuples, dicts."""
-    if depth > 20:
-        return {"__opaque__": type(x).__name__, "repr": "(nested too deeply)"}
-    if x is None or type(x) in (bool, int, float, complex, str, bytes):
-        return x
-    if isinstance(x, torch.Tensor):
-        return torch.Tensor.as_subclass(x.detach(), torch.Tensor).cpu().clone()
-    if type(x) in (torch.dtype, torch.Size):
-        return x
-    if type(x) in (list, tuple):
-        return type(x)(to_data(v, depth + 1) for v in x)
-    if type(x) is dict and all(type(k) in (str, int) for k in x):
-        return {k: to_data(v, depth + 1) for k, v in x.items()}
-    return {"__opaque__": type(x).__name__, "repr": _short_repr(x)}
-
-
-def from_data(x: Any) -> Any:
-    """Undo `to_data`'s marking of objects that were not plain data (see `Opaque`)."""
-    if isinstance(x, dict):
-        if set(x) == {"__opaque__", "repr"} and isinstance(x["__opaque__"], str):
-            cls = type(x["__opaque__"], (Opaque,), {})
-            return cls(str(x["repr"]))
-        return {k: from_data(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(from_data(v) for v in x)
-    return x
-
-
-def _short_repr(x: Any) -> str:
-    try:
-        text = repr(x)
-    except Exception:  # noqa: BLE001 - a broken __repr__ must not break the reply
-        text = f"<{type(x).__name__}>"
-    return text if len(text) <= 200 else text[:199] + "…"
+    return torch.load(payload, weights_only=True)
 
 
 # ---- the grader's side --------------------------------------------------------------------------
@@ -277,6 +247,7 @@ class Sandbox:
         self.disk_bytes = disk_bytes
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
         self.restarts = self.restarts_left = restarts
+        self.restart_s = 0.0  # time spent re-running the notebook after a stop (see `call`)
         self.stopped_because = ""  # why the process was last stopped during a call, for the message that follows
         self._task: str | None = None  # the task whose calls spend `restarts_left`
         self.cell_timeout_s, self.isolate = cell_timeout_s, isolate
@@ -394,17 +365,24 @@ class Sandbox:
         answer: a Python expression naming the reader's function there, e.g. "rms_norm".
         task:   the task being tested, so that a review flag raised during the call names it.
         Returns (the result as plain data, the forbidden functions it called). Raises StudentError
-        when the reader's code raised, SandboxTimeoutError past `deadline` (a time.monotonic() value).
+        when the reader's code raised; past `deadline` (a time.monotonic() value), SandboxLateError if the call
+        still returned within LATE_GRACE_S (the process is kept), else SandboxTimeoutError (it was stopped). A
+        restart's re-run of the notebook extends the deadline by its own time (`restart_s` adds it up).
         """
         from minillm.book.grading.registry import StudentError
 
         probe_name = f"{probe.__module__}:{probe.__qualname__}" if probe is not None else None
-        if probe is not None and not (probe.__module__.startswith(PROBE_MODULES) and "<" not in probe.__qualname__):
-            # The sandbox imports a probe by name, and sees only minillm: a probe of a hidden test's own file
-            # would crash it in every notebook. This is the teacher's test to fix, not the student's code.
+        if probe is not None and not (probe.__module__ in PROBE_MODULES and "<" not in probe.__qualname__):
+            # The sandbox imports a probe by name, and sees only minillm's library and the probes module: a probe
+            # of a task module or a hidden test's own file would crash it in every notebook. This is the
+            # teacher's test to fix, not the student's code.
             raise ProbeError(f"the test passes the probe {probe_name} to call_probed, but the sandbox can only "
                              f"import module-level probes of {' or '.join(PROBE_MODULES)}; call the answer "
-                             "directly in the test, or use a probe from the book's task modules")
+                             "directly in the test, or use one of those probes")
+        try:
+            sent_args, sent_kwargs = encode(args), encode(kwargs)
+        except WireError as exc:
+            raise ProbeError(f"the test's call cannot reach the sandbox: {exc}") from None
         if task != self._task:  # each task has its own restarts: one hung task does not zero the next
             self._task, self.restarts_left = task, self.restarts
         if self.proc is None or self.proc.poll() is not None:
@@ -413,14 +391,20 @@ class Sandbox:
                                    f"tests (last: {self.stopped_because or 'it ended'}), so its other tests were not "
                                    "run; make the function return within the test's time limit")
             self.restarts_left -= 1
+            started = time.monotonic()
             self.start()
+            spent = time.monotonic() - started  # the notebook's re-run is not the call's time
+            self.restart_s += spent
+            deadline += spent
         nonce = secrets.token_hex(8)  # the flag pipe must acknowledge this call by it: silence is a flag
         try:
-            _send(self._req_w, {"kind": "call", "answer": answer, "args": args, "kwargs": kwargs,
-                                "forbid": list(forbid), "probe": probe_name, "task": task, "nonce": nonce})
+            _send(self._req_w, {"kind": "call", "answer": answer, "args": sent_args, "kwargs": sent_kwargs,
+                                "watch": watch_list(tuple(forbid)), "probe": probe_name, "task": task,
+                                "nonce": nonce})
         except OSError as exc:
             raise SandboxError(f"the notebook's process stopped listening ({exc})") from None
-        reply = self._reply(deadline, what="the call ran past the test's time limit")
+        reply = self._reply(deadline + LATE_GRACE_S, what="the call ran past the test's time limit")
+        late_s = time.monotonic() - deadline
         with self._acked:  # written before the reply: a short wait covers the reader thread's delay
             acked = self._acked.wait_for(lambda: nonce in self._acks, timeout=ACK_WAIT_S)
             self._acks.discard(nonce)
@@ -430,6 +414,8 @@ class Sandbox:
             if flag not in self.flags:
                 self.flags.append(flag)
         forbidden = [str(f) for f in reply.get("forbidden", [])]
+        if late_s > 0:
+            raise SandboxLateError(late_s, forbidden)
         if reply["kind"] == "error":
             error = StudentError(str(reply["message"]))
             error.forbidden = forbidden  # type: ignore[attr-defined]
@@ -441,7 +427,7 @@ class Sandbox:
 
     def _reply(self, deadline: float, what: str) -> dict:
         try:
-            reply = _receive(self._rep_r, deadline, trusted=False)
+            reply = _receive(self._rep_r, deadline)
         except SandboxTimeoutError:
             self.kill()
             self.stopped_because = what or "the notebook ran past its time limit"
@@ -501,7 +487,8 @@ class Sandbox:
 
 
 class ProbeError(ValueError):
-    """A test's probe that the sandbox cannot import (`call_probed`): the test's fault, never the notebook's."""
+    """A test's call that cannot reach the sandbox (a probe it cannot import, an argument it cannot send by value):
+    the test's fault, never the notebook's."""
 
 
 class RemoteAnswer:
@@ -516,7 +503,6 @@ class RemoteAnswer:
         self.sandbox, self.expression, self.forbid, self.task = sandbox, expression, forbid, task
         self.forbidden_calls: set[str] = set()
         self.deadline = time.monotonic() + 60
-        self.timed_out = False  # once a call hangs, the task's remaining tests are not run
 
     def set_deadline(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
@@ -531,19 +517,22 @@ class RemoteAnswer:
         from minillm.book.grading.check import _TimeLimitError
         from minillm.book.grading.registry import StudentError
 
-        if self.timed_out:
-            raise StudentError("not run: an earlier test of this task ran past its time limit")
+        restarted = self.sandbox.restart_s
         try:
             value, forbidden = self.sandbox.call(self.expression, args, kwargs, self.forbid, self.deadline, probe,
                                                  self.task)
-        except SandboxTimeoutError:
-            self.timed_out = True
+        except SandboxLateError as exc:  # the test fails; the task's next tests run on the same, warm process
+            self.forbidden_calls.update(exc.forbidden)
+            raise _TimeLimitError(exc.late_s) from None
+        except SandboxTimeoutError:  # stopped: the next call starts the notebook again, within the task's restarts
             raise _TimeLimitError() from None
         except StudentError as exc:
             self.forbidden_calls.update(getattr(exc, "forbidden", []))
             raise
         except SandboxError as exc:
             raise StudentError(str(exc)) from None
+        finally:
+            self.deadline += self.sandbox.restart_s - restarted  # a restart's time is not the test's
         self.forbidden_calls.update(forbidden)
         return value
 
@@ -711,45 +700,101 @@ def _count_own_processes() -> int:
 def code_fingerprint(code: Any) -> tuple:
     """What a code object *does*, without its name, file, line numbers, docstring or the names of its locals: a
     copy of a function's source exec'd under another name, its locals renamed and its docstring dropped, has the
-    same fingerprint as the original. (Locals are read by number in the bytecode, so only their count is kept;
-    a function's first constant is its docstring, or None without one: either is read as "no docstring".)"""
-    first = code.co_consts[:1]
-    rest = code.co_consts[1:] if first and (first[0] is None or isinstance(first[0], str)) else code.co_consts
-    consts = tuple(code_fingerprint(c) if inspect.iscode(c) else (type(c).__name__, repr(c)) for c in rest)
-    return code.co_code, consts, code.co_names, len(code.co_varnames), code.co_argcount, code.co_kwonlyargcount
+    same fingerprint as the original.
+
+    It is read from the instructions (`dis`), not the raw bytecode, because the same source compiles to other
+    bytes in other places: a notebook cell is compiled statement by statement, so `torch.full(...)` in a cell's
+    function is a method load where a module that imports torch itself loads an attribute, and the jumps move
+    with the cache slots. So: locals by number (their names dropped), globals and attributes by name, constants
+    by value, jumps by the instruction they reach; method and attribute loads alike."""
+    kept = [i for i in dis.get_instructions(code) if i.opname not in _LAYOUT_OPS]
+    index = {i.offset: n for n, i in enumerate(kept)}
+    steps = []
+    for i in kept:
+        if i.opcode in _JUMPS:
+            arg: Any = index.get(i.argval, min((n for off, n in index.items() if off >= i.argval), default=-1))
+        elif i.opcode in dis.hasconst:
+            arg = code_fingerprint(i.argval) if inspect.iscode(i.argval) else _constant_key(i.argval)
+        elif i.opcode in dis.hasname:
+            arg = i.argval
+        else:
+            arg = i.arg
+        steps.append((_SAME_OP.get(i.opname, i.opname), arg))
+    return tuple(steps), code.co_argcount, code.co_kwonlyargcount, code.co_flags & _SHAPE_FLAGS
 
 
-def _watch_list(forbid: list[str]) -> tuple[dict[tuple, str], dict[int, str]]:
-    """Forbidden code (Python functions, and the methods of classes) by fingerprint, and builtins by id."""
+COPY_MIN_STEPS = 40  # instructions: a copy of a shorter function is not flagged (see _call_watched)
+_LAYOUT_OPS = {"CACHE", "NOP", "RESUME", "EXTENDED_ARG", "PUSH_NULL", "PRECALL", "KW_NAMES"}  # no meaning of their own
+_SAME_OP = {"LOAD_METHOD": "LOAD_ATTR"}  # which one the compiler picks depends on where the code was compiled
+_JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
+_SHAPE_FLAGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GENERATOR | inspect.CO_COROUTINE
+
+
+def _constant_key(c: Any) -> tuple:
+    """A constant as the same text in every process: a frozenset's repr follows string hashing, which differs."""
+    if isinstance(c, (frozenset, set)):
+        return type(c).__name__, tuple(sorted(repr(_constant_key(v)) for v in c))
+    if isinstance(c, tuple):
+        return "tuple", tuple(_constant_key(v) for v in c)
+    return type(c).__name__, repr(c)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the watcher sees the same library code in every call
+def fingerprint_digest(code: Any) -> str:
+    """sha-256 of `code_fingerprint(code)`: enough to recognise the code, not to rebuild it."""
+    return hashlib.sha256(repr(code_fingerprint(code)).encode()).hexdigest()
+
+
+@functools.cache
+def watch_list(forbid: tuple[str, ...]) -> dict:
+    """What the sandbox's call watcher looks for, computed in the grader: {"codes": {digest of a forbidden Python
+    function's fingerprint: its dotted path}, "builtins": [paths of forbidden C functions]}. The fingerprints (a
+    task module's reference among them) stay here; the sandbox finds the builtins, library functions, itself."""
     from minillm.book.grading.forgery import forbidden_callables
 
-    codes: dict[tuple, str] = {}
-    builtins: dict[int, str] = {}
+    codes: dict[str, str] = {}
+    builtins: list[str] = []
     for name, target in forbidden_callables(forbid):
         if not isinstance(target, type):
             target = inspect.unwrap(target)  # a decorator's wrapper shares its code with every decorated function
         code = getattr(target, "__code__", None)
         if code is not None:
-            codes[code_fingerprint(code)] = name
-        else:
-            builtins[id(target)] = name
-    return codes, builtins
+            codes[fingerprint_digest(code)] = name
+        elif name not in builtins:
+            builtins.append(name)
+    return {"codes": codes, "builtins": builtins}
 
 
-def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseException | None, list[str]]:
-    """fn() with a profiler that notes every call of a forbidden function, matched by what its code does
-    (a renamed copy counts); returns (value, error, names). Switching the profiler off is a review flag."""
-    codes, builtins = _watch_list(forbid)
-    seen: dict[Any, str | None] = {}  # code object -> the forbidden name it matches (fingerprinted once)
+@functools.cache
+def _builtin_ids(paths: tuple[str, ...]) -> dict[int, str]:
+    """In the sandbox: the forbidden C functions by id (they have no code to fingerprint)."""
+    from minillm.book.grading.forgery import forbidden_callables
+
+    return {id(target): name for name, target in forbidden_callables(paths)
+            if getattr(target, "__code__", None) is None}
+
+
+def _call_watched(fn: Callable[[], Any], watch: dict) -> tuple[Any, BaseException | None, list[str]]:
+    """fn() with a profiler that notes every call of a forbidden function, matched by what its code does;
+    returns (value, error, names). A match in the library's own files is a call (no credit); a match in the
+    notebook's code, a copy with its names and docstring changed, is a review flag once it is COPY_MIN_STEPS
+    instructions long (a one-line formula is written alike by everyone). Switching the profiler off is a flag."""
+    codes, builtins = watch["codes"], _builtin_ids(tuple(watch["builtins"]))
+    seen: dict[Any, tuple[str, bool] | None] = {}  # code object -> (forbidden name, a real call?), looked up once
     hits: set[str] = set()
+    copies: set[str] = set()
 
     def profiler(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
             if code not in seen:
-                seen[code] = codes.get(code_fingerprint(code))
+                name = codes.get(fingerprint_digest(code))
+                called = _is_library_file(code.co_filename)
+                big = len(code_fingerprint(code)[0]) >= COPY_MIN_STEPS
+                seen[code] = (name, called) if name is not None and (called or big) else None
             if seen[code] is not None:
-                hits.add(seen[code])
+                name, called = seen[code]
+                (hits if called else copies).add(name)
         elif event == "c_call" and id(arg) in builtins:
             hits.add(builtins[id(arg)])
 
@@ -772,6 +817,8 @@ def _call_watched(fn: Callable[[], Any], forbid: list[str]) -> tuple[Any, BaseEx
         threading.setprofile(None)  # type: ignore[arg-type]
         if running and hasattr(threading, "setprofile_all_threads"):
             threading.setprofile_all_threads(None)
+        for name in sorted(copies - hits):
+            raise_flag(f"ran a copy of {name}: the same instructions once names and docstrings are set aside")
 
 
 _LIBRARY_THREADS = ("tqdm.", "torch.", "IPython.", "concurrent.", "multiprocessing.", "threading")
@@ -835,19 +882,19 @@ def serve(request_fd: int, reply_fd: int, flag_fd: int, memory_bytes: int, cpu_s
     """The sandbox process: run the cells the grader sends, then answer its calls until it closes the pipe."""
     import importlib
 
-    from minillm.book.grading import tasks  # noqa: F401 - the probes live in the task modules
+    from minillm.book.grading import probes  # noqa: F401 - what a test's call may bring in (never the tasks)
 
     # (`import minillm.book.grading.check as m` would give the function `check`, which shadows its module)
     importlib.import_module("minillm.book.grading.check").GRADING = True
     shell = _new_shell()
     _apply_limits(memory_bytes, cpu_s)
     _install_guard(os.getcwd(), flag_fd)
-    run = _receive(request_fd, None, trusted=True)
+    run = _receive(request_fd, None)
     errors = _run_notebook(shell, run["cells"], set(run["skip"]), run["cell_timeout_s"], reply_fd)
     _send(reply_fd, {"kind": "ran", "cells": len(run["cells"]), "errors": errors})
     while True:
         try:
-            request = _receive(request_fd, None, trusted=True)
+            request = _receive(request_fd, None)
         except EOFError:
             return 0
         _flag_state["task"] = request.get("task")
@@ -867,13 +914,13 @@ def _answer_call(request: dict, namespace: dict) -> dict:
         answer = eval(compile(request["answer"], "<grader>", "eval"), namespace)  # noqa: S307 - the grader's own
     except Exception as exc:  # noqa: BLE001
         return {"kind": "error", "message": summarise_exception(exc), "forbidden": []}
-    args, kwargs = request["args"], request["kwargs"]
+    args, kwargs = decode(request["args"]), decode(request["kwargs"])
     if request["probe"]:
         module, name = request["probe"].split(":")
         probe = getattr(importlib.import_module(module), name)
-        value, error, hits = _call_watched(lambda: probe(answer, *args, **kwargs), request["forbid"])
+        value, error, hits = _call_watched(lambda: probe(answer, *args, **kwargs), request["watch"])
     else:
-        value, error, hits = _call_watched(lambda: answer(*args, **kwargs), request["forbid"])
+        value, error, hits = _call_watched(lambda: answer(*args, **kwargs), request["watch"])
     if error is not None:
         return {"kind": "error", "message": summarise_exception(error), "forbidden": hits}
     try:

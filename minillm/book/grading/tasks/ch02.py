@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from minillm import arithmetic
+from minillm.book.grading.probes import count_embedded_positions
 from minillm.book.grading.registry import MismatchError, call_probed, expect_close, expect_equal, register_task
 from minillm.config import ModelConfig
 from minillm.contiguous_cache import KVCache
@@ -139,22 +140,6 @@ def _tiny_model(seed: int, n_kv_heads: int = 2) -> Transformer:
     config = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=128, vocab_size=97,
                          max_seq_len=128)
     return Transformer(config).eval()
-
-
-def count_embedded_positions(answer: Callable, model: Transformer, prompt: list[int], n_new: int) -> tuple[object, int]:
-    """A probe (see `grading.registry.call_probed`): the answer's result, and how many token positions it
-    pushed through the model's embedding."""
-    seen = [0]
-
-    def count(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        seen[0] += args[0].numel()
-
-    handle = model.embed_tokens.register_forward_hook(count)
-    try:
-        got = answer(model, list(prompt), n_new)
-    finally:
-        handle.remove()
-    return got, seen[0]
 
 
 def _run_counting(fn: Callable, model: Transformer, prompt: list[int], n_new: int) -> tuple[object, int]:

@@ -14,12 +14,12 @@ import math
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from minillm import arithmetic
 from minillm.arithmetic import MLAConfig
+from minillm.book.grading.probes import watch_config, watch_kv_copies
 from minillm.book.grading.registry import MismatchError, call_probed, expect_close, expect_equal, register_task
 from minillm.checkpoints import to_checkpoint_names
 from minillm.config import ModelConfig
@@ -128,88 +128,6 @@ def _(fn: Callable) -> None:
     q, k, v = _qkv(33, 1, 6, 3, 2, 5, 8)
     v = v * 0.01 + torch.tensor([0.0, 10.0, 20.0])[None, :, None, None]  # KV head j's values are all near 10 j
     _check_gqa(fn, q, k, v, "gqa_attention(q[1,6,2,8], k[1,3,5,8], v[1,3,5,8] with head j's values near 10 j)")
-
-
-# The ops that move or copy data without computing on it: their results still are K or V (a view or a
-# copy of it), so the probe keeps watching them. Any other op (matmul, einsum, softmax...) computes.
-_DATA_OPS = frozenset({
-    "__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute",
-    "swapaxes", "swapdims", "movedim", "moveaxis", "t", "mT", "T", "mH", "H", "unsqueeze", "squeeze", "narrow",
-    "select", "unbind", "chunk", "split", "split_with_sizes", "tensor_split", "expand", "expand_as",
-    "broadcast_to", "broadcast_tensors", "contiguous", "clone", "detach", "to", "type", "type_as", "float",
-    "double", "half", "bfloat16", "cpu", "as_strided", "repeat", "repeat_interleave", "tile", "index_select",
-    "gather", "take_along_dim", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
-})
-_WATCH: dict[str, list] = {"ops": [], "copies": []}
-
-
-class WatchedKV(torch.Tensor):
-    """K or V handed to the reader by `watch_kv_copies`: records every op applied to it (or to a view or
-    copy of it), and which of those made a copy with more elements than K and V hold (see `_DATA_OPS`)."""
-
-    _kv_path = "k"
-
-    @classmethod
-    def __torch_function__(cls, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None) or repr(func)
-        if name == "__get__":  # a property: .mT, .T, .shape
-            name = getattr(getattr(func, "__self__", None), "__name__", "property")
-        with torch._C.DisableTorchFunctionSubclass():  # run the op, and look at tensors, without recursing here
-            out = func(*args, **kwargs)
-            inputs = [t for t in _tensors(args) + _tensors(list(kwargs.values())) if isinstance(t, WatchedKV)]
-            path = f"{inputs[0]._kv_path}.{name}" if inputs else name
-            _WATCH["ops"].append(path)
-            if name not in _DATA_OPS:
-                return out
-            storages, held = set(), 0  # the elements K and V (or the views handed in) actually hold
-            for t in inputs:
-                s = t.untyped_storage()
-                if s.data_ptr() not in storages:
-                    storages.add(s.data_ptr())
-                    held += s.nbytes() // max(1, t.element_size())
-            for t in _tensors(out if isinstance(out, (list, tuple)) else [out]):
-                if t.untyped_storage().data_ptr() not in storages and t.numel() > held:
-                    _WATCH["copies"].append(path)
-                    break
-        return _rewrap(out, path)
-
-
-def _tensors(xs: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for x in xs if isinstance(xs, (list, tuple)) else [xs]:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, (list, tuple)):
-            found.extend(_tensors(x))
-    return found
-
-
-def _rewrap(out: Any, path: str) -> Any:
-    if isinstance(out, WatchedKV):  # the op handed back its input (k.float() of a float k, an in-place op)
-        return out
-    if isinstance(out, torch.Tensor):
-        out = out.as_subclass(WatchedKV)
-        out._kv_path = path
-        return out
-    if isinstance(out, (list, tuple)):
-        return type(out)(_rewrap(x, path) for x in out)
-    return out
-
-
-def watch_kv_copies(answer: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[object, list, list]:
-    """A probe (see `grading.registry.call_probed`): answer(q, k, v) with k and v watched.
-
-    Returns (the answer's result, every op applied to K/V or views of them as "k.transpose" strings,
-    the ops among them that made a copy of K or V larger than K and V themselves).
-    """
-    _WATCH["ops"], _WATCH["copies"] = [], []
-    k, v = k.clone().as_subclass(WatchedKV), v.clone().as_subclass(WatchedKV)
-    k._kv_path, v._kv_path = "k", "v"
-    got = answer(q, k, v)
-    if isinstance(got, torch.Tensor):
-        got = torch.Tensor.as_subclass(got.detach(), torch.Tensor).clone()
-    return got, list(_WATCH["ops"]), sorted(set(_WATCH["copies"]))
 
 
 _NO_COPY = ("group the queries instead of copying K and V: q.reshape(B, H_kv, G*T, D) puts the G query heads "
@@ -489,13 +407,6 @@ max_batch_gqa = register_task(
     reference=reference_max_batch_by_kv_heads,
     forbid=("minillm.arithmetic.max_batch_size", "minillm.arithmetic.max_batch_size_with_kv_heads"),
 )
-
-
-def watch_config(answer: Callable, config: ModelConfig, *args: Any) -> tuple[object, bool]:
-    """A probe (see `grading.registry.call_probed`): the answer's result, and whether it left `config` as it was."""
-    before = dataclasses.asdict(config)
-    got = answer(config, *args)
-    return got, dataclasses.asdict(config) == before
 
 
 def _batch_hint(config: ModelConfig, memory: float, seq_len: int, h: int, got: object, expected: int,

@@ -29,29 +29,19 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.book.grading.registry import MismatchError, call_probed, diagnose, register_task, short_repr
+from minillm.book.grading.probes import describe, gptq_with, run_column
+from minillm.book.grading.registry import MismatchError, call_probed, diagnose, register_task
 from minillm.quant import NF4_CODEBOOK, int_grid, nf4_round, quantize_int, unpack_int4
 from minillm.quant.gptq import gptq_quantize, hessian, inverse_hessian_factor, quantize_column
 
 TIE_MARGIN = 1e-3  # a value within this of a half step may round either way
 
 
-
-def _describe(x: object) -> str:
-    """What came back, in a few words: `Tensor [4, 8] torch.int8`, `tuple of 2: (Tensor ..., float)`."""
-    if isinstance(x, torch.Tensor):
-        return f"Tensor {list(x.shape)} {x.dtype}"
-    if isinstance(x, (tuple, list)):
-        inner = ", ".join(_describe(v) for v in x[:4]) + (", …" if len(x) > 4 else "")
-        return f"{type(x).__name__} of {len(x)}: ({inner})"
-    return f"{type(x).__name__} {short_repr(x, 80)}"
-
-
 def _parts(got: object, names: tuple[str, ...], what: str, hint: str) -> tuple[torch.Tensor, ...]:
     """The reader's result as a tuple of len(names) tensors, or a MismatchError that says what came instead."""
     if isinstance(got, (tuple, list)) and len(got) == len(names) and all(isinstance(t, torch.Tensor) for t in got):
         return tuple(got)
-    raise MismatchError(what, f"a tuple of {len(names)} tensors ({', '.join(names)})", _describe(got), hint)
+    raise MismatchError(what, f"a tuple of {len(names)} tensors ({', '.join(names)})", describe(got), hint)
 
 
 def _near_tie(v: torch.Tensor) -> torch.Tensor:
@@ -644,7 +634,7 @@ def _check_nf4(fn: Callable, cases: list[torch.Tensor], what: str) -> None:
         call = f"{what}: nf4_index(x {list(x.shape)} {x.dtype})"
         g = fn(x.clone())
         if not isinstance(g, torch.Tensor):
-            raise MismatchError(call, f"a uint8 tensor of shape {list(x.shape)}", _describe(g),
+            raise MismatchError(call, f"a uint8 tensor of shape {list(x.shape)}", describe(g),
                                 "return a tensor of indices, one per element of x.")
         if g.shape != x.shape:
             raise MismatchError(call, f"shape {list(x.shape)}", f"shape {list(g.shape)}",
@@ -725,14 +715,6 @@ gptq_task = register_task(
 _GPTQ_HOW = ("q = clamp(round(W[:, j] / scale) (+ zero), grid); dequantised = (q - zero) * scale (q * scale without a "
              "zero point); err = (W[:, j] - dequantised) / U[j, j]; W[:, j+1:] -= err[:, None] * U[j, j+1:][None, :]; "
              "return q, err.")
-
-
-def run_column(answer: Callable, W: torch.Tensor, U: torch.Tensor, j: int, scale: torch.Tensor,
-               zero: torch.Tensor | None, bits: int) -> tuple[object, torch.Tensor]:
-    """A probe (see `grading.registry.call_probed`): the answer's result, and W after the call (the step works in
-    place, and in the grader's sandbox W is the sandbox's copy)."""
-    got = answer(W, U, j, scale, zero, bits)
-    return got, W
 
 
 def _column_variant(divide: str = "by", sign: float = -1.0, start: str = "after", use_row: bool = True,
@@ -933,28 +915,6 @@ def _(fn: Callable) -> None:
     _check_columns(fn, cases, "in place")
 
 
-def gptq_with(answer: Callable, W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int) -> dict:
-    """A probe: GPTQ of W [out, n] (inputs' Hessian H) with the answer as its column step, zero points per group,
-    each group's grid fitted to its columns as updated so far: `gptq_quantize`'s loop with every correction applied
-    at once instead of block by block. Returns {"dequantized": W' [out, n] fp64, "bad": None or what came back
-    that is not (codes, err)}."""
-    W = W.double().clone()
-    U = inverse_hessian_factor(H)
-    out, n = W.shape
-    result = torch.zeros_like(W)
-    scale = zero = None
-    for j in range(n):
-        if j % group_size == 0:
-            s, z = int_grid(W[:, j : j + group_size], bits, symmetric=False)
-            scale, zero = s.double(), z.double()
-        got = answer(W, U, j, scale, zero, bits)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], torch.Tensor)
-                and got[0].numel() == out):
-            return {"dequantized": result, "bad": _describe(got)}
-        result[:, j] = (got[0].double().reshape(-1) - zero) * scale
-    return {"dequantized": result, "bad": None}
-
-
 def _output_error(W_q: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
     """Mean squared error of the layer's outputs, ||x W_q^T - x W^T||^2 averaged over its inputs: tr(D H D^T) / 2."""
     D = (W_q.double() - W.double())
@@ -1080,7 +1040,7 @@ def _check_rtn(fn: Callable, cases: list[tuple[torch.Tensor, int | None]], what:
         call = f"{what}: rtn_int4(w [{rows}, {cols}]" + (f", group_size={g})" if g else ")")
         out = fn(*((w.clone(),) if g is None else (w.clone(), g)))
         if not isinstance(out, torch.Tensor):
-            raise MismatchError(call, f"a tensor [{rows}, {cols}], w after the round trip", _describe(out),
+            raise MismatchError(call, f"a tensor [{rows}, {cols}], w after the round trip", describe(out),
                                 "return the dequantised weight (q - z) * s, one value per weight (not the codes, "
                                 "scales and zero points).")
         if out.shape != w.shape:
@@ -1181,7 +1141,7 @@ def _(fn: Callable) -> None:
         out = fn(w.clone())
         if not isinstance(out, torch.Tensor) or out.shape != w.shape or not out.dtype.is_floating_point:
             problems.append(MismatchError(f"rtn_int4(w [{w.shape[0]}, {w.shape[1]}]) on a block linear",
-                                          f"a float tensor of shape {list(w.shape)}", _describe(out),
+                                          f"a float tensor of shape {list(w.shape)}", describe(out),
                                           "return the dequantised weight (q - z) * s in w's shape, fp32."))
             return w
         return out.float()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minillm import arithmetic
+from minillm.book.grading.probes import as_tokens, record_draws, sample_steps
 from minillm.book.grading.registry import (
     MismatchError,
     call_catching,
@@ -199,81 +200,6 @@ verify_step_task = register_task(
 )
 
 
-def _as_distribution(dist: object) -> torch.Tensor:
-    try:
-        d = torch.as_tensor(dist.detach() if isinstance(dist, torch.Tensor) else dist)
-    except Exception:  # noqa: BLE001 - a message the reader can act on instead
-        raise TypeError(f"residual_sample takes a distribution (a tensor of V probabilities), got "
-                        f"{type(dist).__name__}") from None
-    return d.to(torch.float64).reshape(-1).clone()
-
-
-def record_draws(answer: Callable, p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int],
-                 uniforms: list[float]) -> tuple[object, list[torch.Tensor]]:
-    """A probe (see `grading.registry.call_probed`): the answer's result, and every distribution it handed to
-    `residual_sample`, which "draws" that distribution's most likely token, so that each case has one answer."""
-    given: list[torch.Tensor] = []
-
-    def residual_sample(dist: torch.Tensor) -> int:
-        d = _as_distribution(dist)
-        given.append(d)
-        return int(d.argmax())
-
-    got = answer(p, q, list(draft_tokens), list(uniforms), residual_sample)
-    return got, given
-
-
-def sample_steps(answer: Callable, p: torch.Tensor, q: torch.Tensor, trials: int, seed: int) -> dict:
-    """A probe: the answer run as `trials` real verify steps, drafts drawn from q's rows, the uniforms from a seeded
-    generator, and residual_sample drawing with torch.multinomial.
-
-    Returns {"counts": counts[position][token] of the emitted tokens, "lengths": steps per number of tokens emitted,
-    "bad": None, or the first result that is not 1 to k + 1 token ids}.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    k, vocab = q.shape
-    drafts = torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=gen) for i in range(k)],
-                         dim=1).tolist()
-    uniforms = torch.rand(trials, k, generator=gen, dtype=torch.float64).tolist()
-    counts = [[0] * vocab for _ in range(k + 1)]
-    lengths = [0] * (k + 2)
-
-    def residual_sample(dist: torch.Tensor) -> int:
-        d = _as_distribution(dist)
-        if d.numel() != vocab or not bool(torch.isfinite(d).all()) or bool((d < 0).any()) or float(d.sum()) <= 0:
-            raise ValueError(f"residual_sample needs a distribution over the {vocab} tokens: finite, non-negative "
-                             f"values with a positive sum; got {short_repr([round(x, 4) for x in d.tolist()], 100)}")
-        return int(torch.multinomial(d, 1, generator=gen))
-
-    for t in range(trials):
-        got = answer(p, q, list(drafts[t]), list(uniforms[t]), residual_sample)
-        tokens = _as_tokens(got)
-        if tokens is None or not 1 <= len(tokens) <= k + 1 or not all(0 <= x < vocab for x in tokens):
-            return {"counts": counts, "lengths": lengths, "bad": short_repr(got)}
-        lengths[len(tokens)] += 1
-        for position, token in enumerate(tokens):
-            counts[position][token] += 1
-    return {"counts": counts, "lengths": lengths, "bad": None}
-
-
-def _as_tokens(got: object) -> list[int] | None:
-    """The reader's result as a list of ints (a list of ints or of one-element int tensors, or a 1-D int tensor)."""
-    if isinstance(got, torch.Tensor):
-        if got.dim() != 1 or got.dtype.is_floating_point or got.dtype == torch.bool:
-            return None
-        return [int(t) for t in got.tolist()]
-    if not isinstance(got, (list, tuple)):
-        return None
-    out = []
-    for t in got:
-        if isinstance(t, torch.Tensor) and t.numel() == 1 and not t.dtype.is_floating_point and t.dtype != torch.bool:
-            t = int(t.item())
-        if not isinstance(t, int) or isinstance(t, bool):
-            return None
-        out.append(t)
-    return out
-
-
 def _verify_variant(accept: str = "rule", resample: str = "residual", keep_rejected: bool = False,
                     bonus: str = "p[k]") -> Callable:
     """reference_verify_step with one common mistake switched on."""
@@ -408,7 +334,7 @@ def _check_steps(fn: Callable, cases: list[tuple], what: str) -> None:
     records = []
     for p, q, drafts, uniforms in cases:
         got, given = call_probed(fn, record_draws, p.clone(), q.clone(), list(drafts), list(uniforms))
-        tokens = _as_tokens(got)
+        tokens = as_tokens(got)
         if tokens is None:
             raise MismatchError(f"{what}: {_describe_step((p, q, drafts, uniforms))}",
                                 "a list of ints (the accepted drafts, then one token)", short_repr(got),
@@ -575,7 +501,7 @@ def _(fn: Callable) -> None:
             n = max(sum(observed), 1)
             gen, rng = torch.Generator().manual_seed(7071), random.Random(7071)
             cases = [_random_step(gen, rng, rng.randint(1, 4), 5) for _ in range(60)]
-            records = [(_as_tokens(got) or [], list(given)) for got, given in
+            records = [(as_tokens(got) or [], list(given)) for got, given in
                        (call_probed(fn, record_draws, *case) for case in cases)]
             hint = diagnose(records, cases, _recorded(_VERIFY_SUSPECTS), "", _same_record) or (
                 "each token a step emits must be distributed exactly as the target's row at its position: "
