@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -329,3 +331,55 @@ def test_the_notebooks_files_are_capped_in_a_home_of_their_own(tmp_path, needs_b
         sandbox.start()
         value, _ = sandbox.call("report", (0,), {}, (), time.monotonic() + 30)
     assert value == ["No space left on device", 2**20, "/home/student"], value
+
+
+def test_memory_outside_the_address_space_is_refused(tmp_path, needs_bwrap):
+    """memfd_create holds memory that RLIMIT_AS never sees (write to it, never map it): the sandbox's seccomp filter
+    refuses it, whichever way it is called, and the notebook goes on."""
+    path = write_notebook(tmp_path / "n.ipynb", "import os, ctypes\nseen = []\nlibc = ctypes.CDLL(None)\n"
+                          "for make in (lambda: os.memfd_create('x'), lambda: libc.memfd_create(b'x', 0)):\n"
+                          "    try:\n        seen.append(make())\n    except OSError as e:\n"
+                          "        seen.append(os.strerror(e.errno))\n"
+                          "seen[1] = seen[1] if seen[1] >= 0 else os.strerror(ctypes.get_errno() or 1)\n"
+                          "def report(_):\n    return seen")
+    with Sandbox(path, timeout_s=120) as sandbox:
+        sandbox.start()
+        value, _ = sandbox.call("report", (0,), {}, (), time.monotonic() + 30)
+    assert value == ["Operation not permitted", "Operation not permitted"], value
+
+
+def test_where_systemd_and_cgroup_v2_are_there_each_sandbox_gets_a_memory_scope(tmp_path, monkeypatch):
+    """With `systemd-run` on a cgroup v2 machine the sandbox runs in a scope of its own with MemoryMax (every page
+    counted); without them `minillm grade` says what bounds memory instead. A stand-in systemd-run records how it
+    was called and runs the command after `--`."""
+    import minillm.book.grading.sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "CGROUP_V2", tmp_path / "missing")
+    sandbox_module.memory_scope.cache_clear()
+    assert sandbox_module.memory_scope() is None
+    assert "no cgroup v2 scope here" in sandbox_module.memory_cap() and "memfd_create" in sandbox_module.memory_cap()
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemd-run"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ "$#" -gt 0 ] && [ "$1" != "--" ]; do\n'
+                    '  [ "$1" = true ] && exit 0\n  shift\ndone\nshift\nexec "$@"\n')
+    fake.chmod(0o755)
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    monkeypatch.setattr(sandbox_module, "CGROUP_V2", tmp_path / "cgroup.controllers")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandbox_module, "isolation_problem", lambda: None)
+    sandbox_module.memory_scope.cache_clear()
+    try:
+        assert sandbox_module.memory_scope() is not None and "MemoryMax 5 GiB" in sandbox_module.memory_cap()
+        path = write_notebook(tmp_path / "n.ipynb", "def answer(x):\n    return x + 1")
+        with Sandbox(path, timeout_s=120, memory_bytes=2**31) as sandbox:
+            if shutil.which("bwrap") is None:
+                pytest.skip("needs bubblewrap to start the sandbox itself")
+            sandbox.start()
+            assert sandbox.call("answer", (1,), {}, (), time.monotonic() + 30)[0] == 2
+    finally:
+        sandbox_module.memory_scope.cache_clear()
+    calls = log.read_text().splitlines()
+    assert any(f"MemoryMax={2**31 + sandbox_module.MEMORY_BASELINE_BYTES} -p MemorySwapMax=0 -- bwrap" in c
+               for c in calls), calls

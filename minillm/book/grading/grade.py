@@ -66,6 +66,7 @@ from minillm.book.grading.sandbox import (
     Sandbox,
     SandboxError,
     isolation_problem,
+    memory_cap,
 )
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -409,6 +410,8 @@ def cmd_grade(args: argparse.Namespace) -> int:
         load_book().chapter(args.chapter)  # an unknown chapter is a usage error, before any work
     if not args.no_sandbox and isolation_problem() is not None:
         raise ValueError(isolation_problem())
+    if not args.no_sandbox:
+        print(memory_cap(int(args.memory_gb * 2**30)), file=sys.stderr)
     points = parse_points(args.points or [], args.points_file)
     roster = load_roster(args.roster) if args.roster else {}
     previous: list[NotebookGrade] = []

@@ -36,6 +36,9 @@ all; the notebook's cells come through a pipe, so not even its own path is. Its 
 is a private home (`/home/student`) that the grader deletes afterwards. The grader and the tests
 stay outside.
 
+Memory: where systemd and cgroup v2 are there, each sandbox runs in a scope of its own whose `MemoryMax`
+counts every page it holds (`memory_scope`); everywhere, bubblewrap loads a seccomp filter that refuses
+`memfd_create` (memory outside the address space; `seccomp.py`), and the home is a size-limited tmpfs.
 Inside, as before: a memory cap (`RLIMIT_AS`) and CPU cap, bounded file sizes and open files, and
 an audit hook (`sys.addaudithook`, which cannot be removed once added) that refuses to start
 processes, to open sockets, and to write outside the home folder, and that reports, through its
@@ -140,10 +143,11 @@ def readonly_paths() -> list[str]:
     return [str(p) for i, p in enumerate(found) if not any(p.is_relative_to(q) for q in found[:i])]
 
 
-def bwrap_command(disk_bytes: int | None = None) -> list[str]:
+def bwrap_command(disk_bytes: int | None = None, seccomp_fd: int | None = None) -> list[str]:
     """bubblewrap's arguments: fresh namespaces, uid 65534, read-only system and Python, and a writable home of
     its own: a tmpfs of at most `disk_bytes` (default DEFAULT_DISK_BYTES), in memory rather than on the host's
-    disk, so that neither the disk nor the memory beyond it can be filled through files."""
+    disk, so that neither the disk nor the memory beyond it can be filled through files. `seccomp_fd`: a pipe
+    holding `seccomp.program()` (see `seccomp_pipe`), which refuses memory held outside the address space."""
     args = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # usually links into /usr
@@ -158,8 +162,57 @@ def bwrap_command(disk_bytes: int | None = None) -> list[str]:
     for path in readonly_paths():
         args += ["--ro-bind", path, path]
     args += ["--tmpfs", str(TASKS_DIR)]  # the references and tests: an empty folder in the sandbox, wherever minillm is
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     size = str(DEFAULT_DISK_BYTES if disk_bytes is None else int(disk_bytes))
     return args + ["--size", size, "--perms", "0700", "--tmpfs", SANDBOX_HOME, "--chdir", SANDBOX_HOME]
+
+
+def seccomp_pipe() -> int:
+    """The read end of a pipe that holds the sandbox's seccomp filter (bubblewrap reads it whole); the caller passes
+    it to bwrap and closes it after."""
+    from minillm.book.grading.seccomp import program
+
+    read, write = os.pipe()
+    os.write(write, program())  # about a hundred bytes: far below a pipe's buffer
+    os.close(write)
+    return read
+
+
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers")  # present where the cgroup v2 hierarchy is mounted alone
+MEMORY_BASELINE_BYTES = 2**30  # what Python, torch and the harness hold resident before the notebook's first cell
+
+
+@functools.cache
+def memory_scope() -> list[str] | None:
+    """The command that runs a sandbox in a cgroup v2 scope of its own, where a memory limit counts every page the
+    notebook holds (memfd, tmpfs, page tables: not only its address space), or None where this machine has none.
+
+    It is systemd's: `systemd-run [--user] --scope -p MemoryMax=...` (a user's own manager for an unprivileged
+    grader). Without cgroup v2 or systemd (a container, a cgroup v1 host) the sandbox is bounded by its address
+    space (RLIMIT_AS), with memfd_create refused and its home a size-limited tmpfs (`memory_cap`)."""
+    systemd_run = shutil.which("systemd-run")  # by its path: the sandbox's own PATH is a fixed, short one
+    if systemd_run is None or not CGROUP_V2.exists():
+        return None
+    command = [systemd_run, *([] if os.getuid() == 0 else ["--user"]), "--scope", "--quiet", "--collect"]
+    try:
+        probe = subprocess.run([*command, "-p", "MemoryMax=256M", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return command if probe.returncode == 0 else None
+
+
+def memory_cap(memory_bytes: int = DEFAULT_MEMORY_BYTES) -> str:
+    """How a sandbox's memory is bounded on this machine, in words: what `minillm grade` prints first."""
+    gib = memory_bytes / 2**30
+    if memory_scope() is not None:
+        return (f"memory: a cgroup v2 scope per notebook (MemoryMax {gib + MEMORY_BASELINE_BYTES / 2**30:g} GiB, "
+                "no swap), and its address space")
+    from minillm.book.grading.seccomp import refused_on
+
+    return (f"memory: each notebook's address space ({gib:g} GiB past its imports); no cgroup v2 scope here "
+            f"(systemd-run with cgroup v2), so memory outside it is bounded instead: refused {refused_on()}, "
+            f"files in a {DEFAULT_DISK_BYTES // 2**20} MiB tmpfs home")
 
 
 INSTALL_BWRAP = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
@@ -172,11 +225,14 @@ def isolation_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return f"bubblewrap (bwrap) is not installed, and the grader runs untrusted notebooks only inside it: " \
                f"{INSTALL_BWRAP}"
+    seccomp = seccomp_pipe()  # the filter too: a kernel that refuses it must say so here, not in every notebook
     try:
-        proc = subprocess.run([*bwrap_command(), sys.executable, "-c", "pass"], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run([*bwrap_command(seccomp_fd=seccomp), sys.executable, "-c", "pass"], capture_output=True,
+                              text=True, timeout=60, pass_fds=(seccomp,))
     except subprocess.TimeoutExpired:
         return "bubblewrap did not start Python within 60 s"
+    finally:
+        os.close(seccomp)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
         return (f"bubblewrap is installed but cannot create a sandbox here ({why}); unprivileged user namespaces "
@@ -327,12 +383,18 @@ class Sandbox:
         }
         cmd = [sys.executable, "-m", "minillm.book.grading.sandbox", str(req_r), str(rep_w), str(audit_w),
                str(self.memory_bytes), str(int(self.timeout_s * 4 + 120))]
+        fds = [req_r, rep_w, audit_w]
         if self.isolate:
-            cmd = bwrap_command(self.disk_bytes) + cmd
-        self.proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w, audit_w), stdin=subprocess.DEVNULL,
+            fds.append(seccomp_pipe())
+            cmd = bwrap_command(self.disk_bytes, seccomp_fd=fds[-1]) + cmd
+            scope = memory_scope()
+            if scope is not None:  # resident memory capped by the kernel, every page the notebook holds counted
+                limit = self.memory_bytes + MEMORY_BASELINE_BYTES
+                cmd = [*scope, "-p", f"MemoryMax={limit}", "-p", "MemorySwapMax=0", "--", *cmd]
+        self.proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self._tmp.name,
                                      env=env, start_new_session=True)
-        for fd in (req_r, rep_w, audit_w):
+        for fd in fds:
             os.close(fd)
         self._log.clear()
         self._log_size = 0
