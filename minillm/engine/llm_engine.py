@@ -55,6 +55,7 @@ cache and forward, because its step is a global choice among the beams, not one 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -107,7 +108,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" (`LLMEngine._failed_row`) once finished
     token_times_s: list[float] = field(repr=False, default_factory=list)
     logprobs: list[float] | None = None  # with params.logprobs: each generated token's log-probability
     top_logprobs: list[dict[int, float]] | None = None  # with params.logprobs: {id: logprob} of the most likely
@@ -551,6 +552,10 @@ class LLMEngine:
                 seq.num_inflight = 0
                 if seq.is_finished:  # aborted, or finished by a token read before this one
                     continue
+            if not all(map(math.isfinite, logprobs)):  # its logits were NaN or infinite: its tokens mean nothing
+                outputs.append(self._failed_row(seq))
+                continue
+            if inflight:
                 self.cache.resolve_token(seq.seq_id, seq.num_tokens, tokens[0])
             text_before = len(seq.text)
             new_ids = []
@@ -566,6 +571,15 @@ class LLMEngine:
             if seq.finish_reason is not None or not finished_only:
                 outputs.append(self._output(seq, new_ids, seq.text[text_before:]))
         return outputs
+
+    def _failed_row(self, seq: Seq) -> RequestOutput:
+        """Finish `seq` with finish_reason "error", without its token: the step's logits for it held NaN or +inf, or
+        no finite value (a broken model or LoRA adapter), so its token's log-probability is not a number. The other
+        rows of the step were sampled as if it were not there; the server turns this into an error for this request
+        alone."""
+        self.scheduler.finish(seq, "error")
+        self._release(seq)
+        return self._output(seq, [], "")
 
     def _speculates(self, seq: Seq, n: int) -> bool:
         """Whether this scheduled row goes to the verify step: a decode step (not prompt work), unconstrained, with 2+

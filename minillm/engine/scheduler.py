@@ -146,7 +146,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """The sequence is done ("stop", "length" or "abort"): it leaves the queues and its blocks are freed."""
+        """The sequence is done ("stop", "length", "abort" or "error"): it leaves the queues, its blocks are freed."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:

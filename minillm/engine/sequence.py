@@ -106,7 +106,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     num_preemptions: int = 0
     request_id: str | None = None  # the request it belongs to; None: its seq_id
     index: int = 0  # which of the request's best_of sequences; it samples with seed + index

@@ -47,7 +47,8 @@ for it pays that compile or can fail it). `suffix` and `echo` with `logprobs` ge
 
 No single request can stop the service: parameters are checked against what the engine holds before anything
 is queued; a step that raises fails only the requests in it (a 500, or an error event when streaming) and is
-logged on the `minillm` logger; bodies over `max_body_bytes` get a 413 before they are read, a prompt longer
+logged on the `minillm` logger; a request whose logits come out NaN or infinite (a broken LoRA adapter) fails
+alone, its batchmates sampled as usual; bodies over `max_body_bytes` get a 413 before they are read, a prompt longer
 than the context could hold a 400 before it is tokenised. What is slow for a big body runs off the event loop, so
 that /health and the other streams go on: parsing, validating, templating and tokenising in a pool of
 REQUEST_THREADS threads, compiling response_format schemas in a pool of SCHEMA_THREADS of their own (a hostile
@@ -532,6 +533,9 @@ class AsyncEngine:
     def route(self, outputs: list[RequestOutput]) -> None:
         """Count each output in the metrics and hand it to its request's waiter."""
         for out in outputs:
+            if out.finish_reason == "error":  # its logits were not numbers (`LLMEngine._failed_row`)
+                self.fail_row(out)
+                continue
             self.metrics.observe(out)
             waiter = self.waiters.get(out.request_id)
             if waiter is not None:
@@ -546,6 +550,18 @@ class AsyncEngine:
         self.engine.abort_request(failed)
         for request_id in failed:
             self.fail(request_id, f"the engine failed on this request: {type(exc).__name__}: {exc}")
+
+    def fail_row(self, out: RequestOutput) -> None:
+        """The engine finished a sequence with an error: its logits held NaN or infinite values (a broken model or LoRA
+        adapter). Fail its request alone (the step's other rows were sampled as usual), its other sequences too."""
+        waiter = self.waiters.get(out.request_id)
+        if waiter is not None and waiter.error is not None:
+            return  # failed already, by another of its sequences
+        log.error("the model's logits for request %s were NaN or infinite; failing it and serving the others",
+                  out.request_id)
+        self.engine.abort_request(out.request_id)
+        self.fail(out.request_id, "the engine failed on this request: the model's logits for it were NaN or infinite, "
+                                  "so no token could be sampled (a broken model or LoRA adapter).")
 
     def requests_of_failed_step(self) -> list[str]:
         """The requests in the step that raised: those it scheduled, or every unfinished one if it failed before

@@ -374,6 +374,11 @@ def sample(
     if all(r.greedy for r in rows):
         return tokens
     probs = logits.softmax(dim=-1)  # [B, V]
+    # A row holding NaN or +inf, or no finite logit (a broken model or LoRA adapter), is no distribution: its
+    # probabilities are NaN, and torch.multinomial would fail the whole draw, every other row with it. It is drawn
+    # from a uniform one instead; its token's log-probability (of the raw logits) is NaN, and the engine finishes
+    # such a row with an error, never using its token (`minillm.engine.llm_engine.LLMEngine._append`).
+    probs = probs.masked_fill(probs.isnan().any(dim=-1, keepdim=True), 1.0 / probs.shape[-1])
     if generator is None or isinstance(generator, torch.Generator):
         drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:

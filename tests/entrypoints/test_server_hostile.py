@@ -399,3 +399,49 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+# ---------------------------------------------------------------------- 7. a NaN row fails only its own request
+def poisoned_engine(model_and_tokenizer, **kwargs) -> LLMEngine:
+    """An engine serving the LoRA adapter "poison", made NaN in memory after registration checked it (what a bug or a
+    bit flip could do): its rows' logits are NaN."""
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, lora_modules={"poison": small_adapter(model.config)}, **kwargs)
+    engine.lora_slots.adapters["poison"].weights[0, "q_proj"][1].fill_(float("nan"))
+    return engine
+
+
+def test_a_request_of_nan_logits_gets_an_error_and_the_stream_beside_it_completes(model_and_tokenizer):
+    """The server's side of tests/engine/test_nan_rows.py: the step failed, so the stream beside the poisoned request
+    got an error event too. Now the poisoned request gets a 500 saying why, and the stream runs to its end."""
+    import threading
+    import time
+
+    import httpx
+    from conftest import served_in_thread
+
+    from minillm.entrypoints.server import create_app
+
+    engine = poisoned_engine(model_and_tokenizer, max_num_seqs=4)
+    with served_in_thread(create_app(engine, MODEL), log_level="critical") as url:
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 64, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+        healthy = threading.Thread(target=stream)
+        healthy.start()
+        while not lines and healthy.is_alive():  # the stream runs: the poisoned request joins its steps
+            time.sleep(0.01)
+        poisoned = httpx.post(url + "/v1/completions", json={"model": "poison", "prompt": "JULIET.\n",
+                                                             "max_tokens": 16}, timeout=60)
+        healthy.join()
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert all("error" not in c for c in chunks), f"the healthy stream failed too: {chunks[-1]}"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) == 64, "every token came"
+        error = error_of(poisoned, 500)
+        assert error["code"] == "engine_error" and "NaN or infinite" in error["message"], error
+        assert not engine.has_unfinished_requests() and engine.cache.allocator.num_used_blocks == 0
