@@ -34,8 +34,9 @@ staged KV: back-pressure, no crash); a client that disconnects (`abort_request` 
 prompt if it is still there, else passes the abort to D on the pipe its offer took, so D always sees the offer
 first: D drops the offer, frees the reservation when the transfer lands, or aborts the running sequence);
 a worker that dies (its requests fail with an error naming it, the router stays up and says so to new
-requests). Not here: several P or D workers (a router choosing among them), KV sent layer by layer while the
-prefill runs, quantised KV caches, n > 1 and constrained decoding across the split.
+requests); a request whose logits come out NaN (it fails alone, with the worker's reason). Not here: several P
+or D workers (a router choosing among them), KV sent layer by layer while the prefill runs, quantised KV caches,
+n > 1 and constrained decoding across the split.
 
     engine = DisaggregatedEngine(model, tokenizer)
     outputs = engine.generate(["ROMEO.\\n", "JULIET.\\n"], SamplingParams(max_tokens=32))
@@ -73,6 +74,7 @@ from minillm.sampler.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 PREFILL, DECODE = 0, 1  # the two ranks of the KV group
+NAN_LOGITS = "got NaN or infinite logits for it, so no token could be sampled (a broken model?)"  # a finish "error"
 
 
 # ---------------------------------------------------------------------------- the KV hand-off
@@ -248,7 +250,10 @@ def _prefill_worker(init_method: str, device: str, config: Any, state: dict, dty
                     results.put(("stats", PREFILL, _stats(engine) | {"staged": len(staged)}))
             sending = [(done, kv) for done, kv in sending if not done.is_set()]
             if engine.has_unfinished_requests():
-                engine.step()
+                for out in engine.step():  # the prompts that finished are offered (`offer`); a failed one is not
+                    if out.finish_reason == "error":
+                        params_of.pop(out.request_id, None)
+                        results.put(("error", out.request_id, f"the prefill worker {NAN_LOGITS}"))
     except (EOFError, ConnectionError):  # the other worker (or the router) is gone: nothing left to do here
         return
     except Exception:  # noqa: BLE001 - reported to the router
@@ -315,7 +320,10 @@ def _decode_worker(init_method: str, device: str, config: Any, state: dict, dtyp
                     o.generator_state, o.arrival_time)))
             if engine.has_unfinished_requests():
                 for out in engine.step():
-                    results.put(("output", out))
+                    if out.finish_reason == "error":  # `LLMEngine._failed_row`: the router fails it with the reason
+                        results.put(("error", out.request_id, f"the decode worker {NAN_LOGITS}"))
+                    else:
+                        results.put(("output", out))
     except (EOFError, ConnectionError):  # the other worker (or the router) is gone: nothing left to do here
         return
     except Exception:  # noqa: BLE001 - reported to the router

@@ -109,6 +109,34 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_refuses_new_ones(sh
         engine.shutdown()
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, max_tokens=4)])
+def test_a_request_of_nan_logits_fails_with_the_reason_and_does_not_hang(shipped, params) -> None:
+    """Issue 55: the engine finishes a row of NaN logits with finish_reason "error" and no token. The prefill worker
+    offered only finished prompts, so such a request was never offered nor failed: the router waited for ever (and
+    before that, a sampled one failed the worker's step and killed it). Now the worker reports it."""
+    import copy
+
+    import torch
+
+    model, tokenizer = shipped
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.norm.weight[0] = float("nan")  # the final norm: every logit of every row is NaN
+    engine = DisaggregatedEngine(broken, tokenizer)
+    try:
+        ids = [engine.add_request(None, prompt, params) for prompt in PROMPTS[:2]]
+        outputs, deadline = [], time.time() + 30
+        while engine.has_unfinished_requests() and time.time() < deadline:
+            outputs += engine.step()
+        assert not engine.has_unfinished_requests(), "the requests were neither finished nor failed"
+        assert sorted(o.request_id for o in outputs if o.finish_reason == "error") == sorted(ids)
+        assert all("prefill worker got NaN or infinite logits for it" in engine.errors[i] for i in ids), engine.errors
+        assert not engine.down, "the workers stay up"
+        assert engine.worker_stats()["prefill"]["unfinished"] == 0
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL, one per worker)")
 def test_two_gpus_over_nccl_give_one_gpu_tokens() -> None:
     import torch
