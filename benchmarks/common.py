@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,16 @@ def write_results(name: str, results: dict[str, Any]) -> Path:
     An absolute name is a file outside results/ (the tests' temporary files): `results_name`.
     """
     path = Path(f"{name}.json") if Path(name).is_absolute() else RESULTS / f"{name}.json"
+    header = provenance()
+    text = json.dumps({**header, **results}, indent=2) + "\n"
+    if header["commit"].endswith("-dirty") and path.is_relative_to(RESULTS) and not os.environ.get(
+            "MINILLM_ALLOW_DIRTY"):
+        # A committed results file names the commit that measured it; "-dirty" names none a reader can check out.
+        kept = Path(tempfile.mkstemp(prefix=f"{path.stem}_", suffix=".json")[1])
+        kept.write_text(text)
+        raise RuntimeError(f"not writing results/{name}.json from a tree with uncommitted changes ({header['commit']}):"
+                           f" commit them and run again, so that the file names a commit. This run's results are "
+                           f"in {kept}; MINILLM_ALLOW_DIRTY=1 writes such a file anyway (a trial, not for the book).")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**provenance(), **results}, indent=2) + "\n")
+    path.write_text(text)
     return path

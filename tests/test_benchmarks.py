@@ -158,3 +158,25 @@ def test_speculative_controlled_construction_gives_the_acceptance_it_was_built_f
         assert row["tokens_equal_plain"]
         assert row["measured_alpha"] == 0 if row["alpha"] == 0 else abs(row["measured_alpha"] - 0.8) < 0.15
     assert all(r["tokens_equal_plain"] and r["measured_alpha"] == 1.0 for r in data["ngram"])
+
+
+def test_a_results_file_names_a_commit_a_reader_can_check_out(monkeypatch, tmp_path):
+    """From a tree with uncommitted changes, write_results refuses to write into results/ (its commit would read
+    "-dirty", no commit anyone can check out) and keeps the run's numbers in a file it names; MINILLM_ALLOW_DIRTY
+    writes one anyway, and a file outside results/ (a test's) is written either way."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setenv("MINILLM_COMMIT", "abc1234-dirty")
+    monkeypatch.delenv("MINILLM_ALLOW_DIRTY", raising=False)
+    with pytest.raises(RuntimeError, match="uncommitted changes") as refused:
+        common.write_results("toy/cpu", {"tokens_per_s": 123.0})
+    kept = Path(str(refused.value).split("results are in ")[1].split(";")[0])
+    assert json.loads(kept.read_text())["tokens_per_s"] == 123.0 and not (tmp_path / "results").exists()
+    assert common.write_results(str(tmp_path / "elsewhere"), {"x": 1}).is_file()
+    monkeypatch.setenv("MINILLM_ALLOW_DIRTY", "1")
+    assert json.loads(common.write_results("toy/cpu", {"x": 2}).read_text())["commit"] == "abc1234-dirty"
+    monkeypatch.setenv("MINILLM_COMMIT", "abc1234")
+    monkeypatch.delenv("MINILLM_ALLOW_DIRTY")
+    assert json.loads(common.write_results("toy/cpu", {"x": 3}).read_text())["x"] == 3

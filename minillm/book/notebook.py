@@ -177,8 +177,11 @@ def load_results(name: str) -> dict[str, Any]:
         )
     data = json.loads(path.read_text())
     machine, versions = data["machine"], data["versions"]
+    commit = str(data["commit"])
+    if commit.endswith("-dirty"):  # measured from a tree with uncommitted changes: say so in words
+        commit = f"{commit.removesuffix('-dirty')} with uncommitted changes"
     print(f"loaded results/{name}.json: {machine.get('gpu', machine['cpu'])}, torch {versions['torch']}, "
-          f"commit {data['commit']}, {data['date'][:10]}")
+          f"commit {commit}, {data['date'][:10]}")
     return data
 
 
