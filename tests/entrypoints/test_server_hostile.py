@@ -343,7 +343,8 @@ def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, m
 def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
     """`minillm serve --shutdown-timeout 2` and SIGTERM while a long stream runs: uvicorn used to cancel the stream at
     the limit mid-chunk (no finish_reason, no [DONE]: a client cannot tell a cut from a network fault). Now the app
-    ends it just before the limit: a last chunk with finish_reason "abort", then [DONE], and the process exits."""
+    ends it just before the limit: a last chunk with finish_reason "abort" for each choice, then [DONE], and the
+    process exits. The 11M model, because 1m's 1,000 tokens can come within the 2 s on an idle machine."""
     import signal
     import socket
     import subprocess
@@ -356,22 +357,23 @@ def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", MODEL, "--port", str(port),
-                             "--shutdown-timeout", "2"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", minillm.DEFAULT_MODEL,
+                             "--port", str(port), "--shutdown-timeout", "2"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while not _answers(url + "/health"):
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
             time.sleep(0.2)
-        body = {"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = {"model": minillm.DEFAULT_MODEL, "prompt": "ROMEO.\n", "max_tokens": 1000, "ignore_eos": True,
+                "n": 2, "stream": True}
         events, cut, signalled = [], None, None
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
                 for line in stream.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[len("data: "):])
-                    if len(events) == 3 and signalled is None:
+                    if len(events) == 4 and signalled is None:
                         proc.send_signal(signal.SIGTERM)
                         signalled = time.perf_counter()
         except httpx.HTTPError as exc:  # the stream was cut
@@ -379,10 +381,10 @@ def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
         ended_after = time.perf_counter() - signalled
         assert cut is None, f"the stream was cut after {len(events)} events, {ended_after:.1f} s after SIGTERM: {cut!r}"
         assert events[-1] == "[DONE]", events[-3:]
-        last = json.loads(events[-2])["choices"][0]
-        assert last["finish_reason"] == "abort" and last["text"] == "", last
-        streamed = [json.loads(e)["choices"][0] for e in events[:-2]]
-        assert all(c["finish_reason"] is None for c in streamed) and len(streamed) < 1000, "it ended before its end"
+        last = [json.loads(e)["choices"][0] for e in events[-3:-1]]
+        assert [(c["index"], c["finish_reason"], c["text"]) for c in last] == [(0, "abort", ""), (1, "abort", "")], last
+        streamed = [json.loads(e)["choices"][0] for e in events[:-3]]
+        assert all(c["finish_reason"] is None for c in streamed) and len(streamed) < 2000, "it ended before its end"
         assert 1.0 < ended_after < 2.0, f"it ran on until just before the 2 s limit, not {ended_after:.2f} s"
         assert proc.wait(timeout=30) is not None
     finally:
