@@ -473,11 +473,17 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """At start-up, before any request: build json_object's token index off the event loop, so that a request for
-        it never pays the compile, and no hostile schema can push it out of the cache (`constraint`)."""
-        if self.engine.tokenizer is not None:
+        it never pays the compile, and no hostile schema can push it out of the cache (`constraint`). A tokenizer
+        constrained decoding cannot use (not byte-level) is served anyway: response_format then gets a 400 saying
+        why, as it did."""
+        if self.engine.tokenizer is None:
+            return
+        try:
             self.json_object = await asyncio.get_running_loop().run_in_executor(
                 self.schema_pool, TokenIndex.from_constraint, json_object_dfa(), self.engine.tokenizer,
                 self.engine.model.config.eos_token_ids)
+        except ValueError as exc:
+            log.warning("response_format will be refused: constrained decoding cannot use this model (%s)", exc)
 
     def drain(self, timeout_s: float | None) -> None:
         """The graceful shutdown begins (`run_uvicorn`), and uvicorn will cut what is still open in `timeout_s`

@@ -447,3 +447,30 @@ def test_a_request_of_nan_logits_gets_an_error_and_the_stream_beside_it_complete
         error = error_of(poisoned, 500)
         assert error["code"] == "engine_error" and "NaN or infinite" in error["message"], error
         assert not engine.has_unfinished_requests() and engine.cache.allocator.num_used_blocks == 0
+
+
+def test_a_tokenizer_constrained_decoding_cannot_use_still_serves(model_and_tokenizer, monkeypatch, caplog):
+    """json_object's start-up build must not stop a server whose tokenizer is not byte-level: it serves, warns once,
+    and response_format gets the 400 it got before."""
+    from types import SimpleNamespace
+
+    from conftest import served_in_thread
+
+    from minillm.entrypoints.server import create_app
+    from minillm.sampler.constrained import token_index
+
+    def not_byte_level(tokenizer):
+        raise ValueError("constrained decoding needs a byte-level BPE tokenizer; this one decodes with Metaspace.")
+
+    monkeypatch.setattr(token_index, "vocabulary_bytes", not_byte_level)
+    model, tokenizer = model_and_tokenizer
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        with served_in_thread(create_app(LLMEngine(model, tokenizer, max_num_seqs=2), MODEL, api_key=KEY),
+                              log_level="critical") as url:
+            served = SimpleNamespace(url=url)
+            error = error_of(post(served, {"model": MODEL, "prompt": "A", "max_tokens": 4,
+                                           "response_format": {"type": "json_object"}}), 400)
+            assert "byte-level BPE tokenizer" in error["message"] and error["param"] == "response_format", error
+            done = post(served, {"model": MODEL, "prompt": "A", "max_tokens": 4})
+            assert done.status_code == 200, done.text
+    assert "response_format will be refused" in caplog.text
