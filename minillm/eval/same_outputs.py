@@ -63,6 +63,28 @@ def output_differences(a: Any, b: Any, atol: float = LOGPROB_ATOL) -> list[str]:
     return found
 
 
+def tie_breaks_apart(reference: Any, other: Any, atol: float) -> str | None:
+    """Why `other`'s greedy tokens are not `reference`'s, or None if they are, or if they part only where the
+    reference's two best candidates tie to within `atol` (after which both continue from different tokens).
+
+    In bf16 on a GPU two logits can be exactly equal, and two kernels that sum in other orders (a matmul of
+    another shape) then break the tie apart: a real model meets this where the 11M model does not (SmolLM2's
+    chat answers on an H200 met an exact tie at token 15 of 32). reference needs `top_logprobs` with at least
+    two candidates per token (SamplingParams(logprobs=2)).
+    """
+    a, b = list(reference.token_ids), list(other.token_ids)
+    if a == b:
+        return None
+    j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if j >= min(len(a), len(b)):
+        return f"one run stops at token {j}, the other goes on"
+    top = reference.top_logprobs[j]
+    best = sorted(top.values(), reverse=True)[:2]
+    if b[j] in top and len(best) == 2 and best[0] - best[1] <= atol and best[0] - top[b[j]] <= atol:
+        return None
+    return f"token {j}: {b[j]} where the reference has {a[j]} (its top candidates there: {top})"
+
+
 def max_logprob_difference(a: Sequence[Any], b: Sequence[Any]) -> float:
     """The largest |logprob difference| over paired outputs' tokens (0.0 where none has logprobs)."""
     return max((abs(x - y) for oa, ob in zip(a, b) if oa.logprobs and ob.logprobs

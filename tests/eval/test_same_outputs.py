@@ -50,3 +50,18 @@ def test_a_real_difference_is_named(change, field):
 def test_a_missing_output_is_a_difference():
     with pytest.raises(AssertionError, match="2 outputs in the first run, 1 in the second"):
         assert_same_outputs([BASE, BASE], [BASE])
+
+
+def test_greedy_runs_may_part_only_where_the_reference_ties():
+    """A bf16 tie broken the other way by another kernel is not a bug; any other difference of tokens is."""
+    from types import SimpleNamespace
+
+    from minillm.eval.same_outputs import tie_breaks_apart
+
+    ref = SimpleNamespace(token_ids=[1, 2, 3], top_logprobs=[{1: -0.1, 9: -3.0}, {2: -2.14, 7: -2.14},
+                                                             {3: -0.2, 4: -4.0}])
+    assert tie_breaks_apart(ref, SimpleNamespace(token_ids=[1, 2, 3]), 0.1) is None
+    assert tie_breaks_apart(ref, SimpleNamespace(token_ids=[1, 7, 5]), 0.1) is None  # parted at the tie
+    assert "token 0" in tie_breaks_apart(ref, SimpleNamespace(token_ids=[9, 2, 3]), 0.1)  # 2.9 nats apart
+    assert "token 1" in tie_breaks_apart(ref, SimpleNamespace(token_ids=[1, 8, 3]), 0.1)  # not a candidate
+    assert "stops" in tie_breaks_apart(ref, SimpleNamespace(token_ids=[1, 2]), 0.1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import minillm
+from minillm.eval.same_outputs import tie_breaks_apart
 from minillm.sampler.sampling import SamplingParams
 from minillm.shipped import CHAT_MODEL, installed_model_file
 from minillm.tokenizer import apply_chat_template
@@ -19,6 +20,9 @@ from minillm.tokenizer import apply_chat_template
 TEXTS = ["The capital of France is", "In 2024, 3 cats ate 12,345 fish.", "def fibonacci(n):\n    return n",
          "Café, naïve — résumé! 東京 🙂", "  two  spaces\n\n\tand a tab"]
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 7 times 8?"]
+# Two bf16 logits closer than this (in log-probability) are a tie a change of kernel may break either way: bf16 keeps
+# 8 bits, so logits near 10 are 0.06 apart at best, and SmolLM2 met an exact tie on an H200 (tie_breaks_apart).
+BF16_TIE_ATOL = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +143,13 @@ def test_on_cuda_graphs_chunks_and_speculation_give_the_eager_tokens(gguf_path):
     prompts = [apply_chat_template(chat(q), tok) for q in QUESTIONS]
     prompts.append(apply_chat_template(chat("Repeat exactly: the cat sat on the mat, the cat sat on the mat."), tok))
     params = SamplingParams(temperature=0, max_tokens=32)
-    eager = LLM(model, tok, cuda_graphs=False, num_blocks=256).generate(prompts, params, use_tqdm=False)
+    eager = LLM(model, tok, cuda_graphs=False, num_blocks=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=32, logprobs=2), use_tqdm=False)
     assert eager[0].text == "The capital of France is Paris."
     spec = SpeculativeConfig(NgramDrafter(), num_speculative_tokens=4)
     for label, options in [("graphs", {}), ("chunks of 32 tokens", {"max_num_batched_tokens": 32}),
                            ("n-gram speculation", {"speculative": spec})]:
         got = LLM(model, tok, num_blocks=256, **options).generate(prompts, params, use_tqdm=False)
-        assert [o.token_ids for o in got] == [o.token_ids for o in eager], label
+        # bf16 logits can tie exactly; another kernel's sum order then breaks the tie apart (BF16_TIE_ATOL)
+        problems = [why for o, e in zip(got, eager) if (why := tie_breaks_apart(e, o, BF16_TIE_ATOL))]
+        assert not problems, (label, problems)
