@@ -3,7 +3,8 @@
 `minillm.book` holds what teaches rather than serves, and nothing in the engine imports it:
 `minillm.book.notebook` (the helpers every chapter calls), `minillm.book.site` (the HTML book) and
 `minillm.book.grading` (the exercises' `check`, `minillm grade` and the drill bank). This module reads
-`book.yml`: the chapters, their notebooks, tasks and drills.
+`book.yml`: the chapters, their notebooks, tasks and drills, and the appendices (a chapter's record kept
+beside it, in a notebook of its own that the chapter links to).
 
     from minillm.book import load_book
     book = load_book()                 # finds book.yml at the repository root
@@ -18,6 +19,7 @@ shell, `python -m minillm.book notebooks` lists the written chapters' notebooks 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,11 +61,29 @@ class Chapter:
 
 
 @dataclass(frozen=True)
+class Appendix:
+    """One entry of `book.yml`'s `appendices`: a notebook that extends one chapter (its record, round by round).
+
+    It has no exercises, tasks or drills of its own; the site lists it after the chapters, and its chapter links
+    to it. Its id is the chapter's id and a letter ("05b")."""
+
+    id: str
+    chapter: str
+    title: str
+    notebook: str
+
+    @property
+    def slug(self) -> str:
+        return Path(self.notebook).stem
+
+
+@dataclass(frozen=True)
 class Book:
     title: str
     author: str
     chapters: list[Chapter]
     root: Path
+    appendices: list[Appendix] = field(default_factory=list)
 
     def written(self) -> list[Chapter]:
         """The chapters with `status: written`, in book order."""
@@ -74,6 +94,15 @@ class Book:
             if c.id == chapter_id:
                 return c
         raise BookError(f"no chapter {chapter_id!r} in book.yml; the ids are {[c.id for c in self.chapters]}.")
+
+    def appendices_of(self, chapter_id: str) -> list[Appendix]:
+        """The appendices that extend this chapter, in book order."""
+        return [a for a in self.appendices if a.chapter == chapter_id]
+
+    def written_appendices(self) -> list[Appendix]:
+        """The appendices of the written chapters, in book order."""
+        written = {c.id for c in self.written()}
+        return [a for a in self.appendices if a.chapter in written]
 
     def chapter_of_notebook(self, path: str | Path) -> Chapter | None:
         """The chapter whose chapter, solution or exercise notebook has this file name (None if none)."""
@@ -107,6 +136,24 @@ def _chapter(entry: Any, index: int) -> Chapter:
                    points=points)
 
 
+def _appendix(entry: Any, index: int, chapter_ids: list[str]) -> Appendix:
+    if not isinstance(entry, dict):
+        raise BookError(f"book.yml: appendix #{index} must be a mapping of fields, got {entry!r}.")
+    where = f"book.yml: appendix {entry.get('id', f'#{index}')!r}"
+    keys = ("id", "chapter", "title", "notebook")
+    for key in keys:
+        if not isinstance(entry.get(key), str) or not entry[key]:
+            raise BookError(f"{where} needs a non-empty string field {key!r} (quote ids: id: \"05b\").")
+    unknown = set(entry) - set(keys)
+    if unknown:
+        raise BookError(f"{where}: unknown field(s) {sorted(unknown)}; see the comment at the top of book.yml.")
+    if entry["chapter"] not in chapter_ids:
+        raise BookError(f"{where}: chapter {entry['chapter']!r} is not a chapter of book.yml ({chapter_ids}).")
+    if not re.fullmatch(rf"{re.escape(entry['chapter'])}[a-z]", entry["id"]):
+        raise BookError(f"{where}: an appendix's id is its chapter's id and a letter, e.g. \"05b\".")
+    return Appendix(**{k: entry[k] for k in keys})
+
+
 def _points(value: Any, tasks: list[str], where: str) -> dict[str, float]:
     """`points: {task id: number}` checked against `tasks`; a chapter without it gives every task 1 point."""
     if value is None:
@@ -138,13 +185,22 @@ def load_book(path: str | Path | None = None) -> Book:
     ids = [c.id for c in chapters]
     if len(set(ids)) != len(ids):
         raise BookError(f"{path}: chapter ids repeat: {ids}.")
+    raw = data.get("appendices") or []
+    if not isinstance(raw, list):
+        raise BookError(f"{path}: `appendices` must be a list of entries (id, chapter, title, notebook).")
+    appendices = [_appendix(e, i, ids) for i, e in enumerate(raw)]
+    every = ids + [a.id for a in appendices]
+    if len(set(every)) != len(every):
+        raise BookError(f"{path}: chapter and appendix ids repeat: {every}.")
     return Book(title=str(data.get("title", "")), author=str(data.get("author", "")), chapters=chapters,
-                root=path.resolve().parent)
+                root=path.resolve().parent, appendices=appendices)
 
 
 def notebooks(book: Book) -> list[str]:
-    """Every notebook of the written chapters (chapter, solution, exercise), relative to the book's root."""
-    return [p for c in book.written() for p in (c.notebook, c.solution, c.exercise)]
+    """Every notebook of the written chapters (chapter, solution, exercise) and their appendices, relative to the
+    book's root."""
+    return [p for c in book.written() for p in (c.notebook, c.solution, c.exercise)] + [
+        a.notebook for a in book.written_appendices()]
 
 
 def readme_contents(book: Book) -> str:
@@ -156,5 +212,7 @@ def readme_contents(book: Book) -> str:
                         f"[solutions]({c.solution}) |")
         else:
             rows.append(f"| {c.id} | {c.title} *(coming)* | |")
+        if c.written:
+            rows += [f"| {a.id} | appendix: [{a.title}]({a.notebook}) | |" for a in book.appendices_of(c.id)]
     return "\n".join(rows)
 

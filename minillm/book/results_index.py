@@ -377,6 +377,12 @@ def render() -> str:
             users.setdefault(path, []).append(source)
     book = load_book()
     chapter_of = {ch.notebook: f"ch {ch.id}" for ch in book.chapters}
+    chapter_of.update({ap.notebook: f"ch {ap.id}" for ap in book.appendices})
+    # an appendix's citations back its chapter's claims (CLAIMS is keyed by chapter id), in a table of its own
+    sections = [(ch.id, ch.id, ch.title, ch.notebook) for ch in book.chapters]
+    for ap in reversed(book.appendices):
+        at = next(i for i, s in enumerate(sections) if s[0] == ap.chapter) + 1
+        sections.insert(at, (ap.id, ap.chapter, f"appendix: {ap.title}", ap.notebook))
 
     def where(path: str) -> str:
         names = [chapter_of.get(u, u) for u in sorted(users.get(path, []))]
@@ -392,13 +398,13 @@ def render() -> str:
              "script and the minillm modules that script imports) changed after that commit, so a re-run could",
              "differ; it is as current as the last run of the generator (the test checks every other column).",
              "", "## By chapter", ""]
-    for ch in book.chapters:
-        notebook = REPO_ROOT / ch.notebook
+    for section_id, claims_of, title, notebook_path in sections:
+        notebook = REPO_ROOT / notebook_path
         if not notebook.is_file():
             continue
-        paths = sorted({p for c in cited.get(ch.notebook, []) for p in matches(c) if p in by_path},
+        paths = sorted({p for c in cited.get(notebook_path, []) for p in matches(c) if p in by_path},
                        key=lambda p: (by_path[p].benchmark, by_path[p].archived, p))
-        lines += [f"### {ch.id} {ch.title} (`{ch.notebook}`)", ""]
+        lines += [f"### {section_id} {title} (`{notebook_path}`)", ""]
         if not paths:
             lines += ["No results files.", ""]
             continue
@@ -406,7 +412,7 @@ def render() -> str:
         for p in paths:
             e = by_path[p]
             lines.append(f"| `{p}` | `benchmarks/{e.benchmark}.py` | {_cell(e.machine)} | {e.date} | "
-                         f"{e.short_commit} | {_cell(claim(ch.id, p))} | {older(e)} |")
+                         f"{e.short_commit} | {_cell(claim(claims_of, p))} | {older(e)} |")
         lines.append("")
     lines += ["## By benchmark", ""]
     for benchmark in sorted({e.benchmark for e in files}):

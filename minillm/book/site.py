@@ -18,7 +18,7 @@
    the notebook's code cells and the engine's files), so the next build runs again only the notebooks
    whose code, or the engine, changed;
 3. writes a Jupyter Book source tree under `<out_dir>/src/`: an intro page, the notebooks with their
-   fresh (or committed) outputs (chapters, then exercises, then solutions, keeping their repository
+   fresh (or committed) outputs (chapters, then appendices, then exercises, then solutions, keeping their repository
    paths so links between them work), a drill-bank page, and `_config.yml` / `_toc.yml` generated
    from `book.yml`;
 4. builds it with Sphinx (through `jupyter-book config sphinx`, so `_config.yml` stays the one place
@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from minillm.book import REPO_ROOT, Book, BookError, Chapter, load_book
+from minillm.book import REPO_ROOT, Appendix, Book, BookError, Chapter, load_book
 from minillm.book.grading.drills import DRILLS_DIR, Drill, DrillError, load_drills, render_markdown
 
 MATHJAX_VERSION = "3.2.2"
@@ -155,17 +155,22 @@ def write_for_reading(nb: Any, dest: Path) -> None:
 
 
 def notebook_parts(book: Book) -> dict[str, list[str]]:
-    """The written chapters' notebooks by part of the book, as repository-relative paths.
+    """The written chapters' notebooks by part of the book, as repository-relative paths (the written chapters'
+    appendices in a part of their own, after the chapters).
 
-    Raises SiteError when a written chapter's notebook, exercise or solution file is missing.
+    Raises SiteError when a written chapter's notebook, exercise or solution file, or an appendix, is missing.
     """
-    parts: dict[str, list[str]] = {"Chapters": [], "Exercises": [], "Solutions": []}
+    parts: dict[str, list[str]] = {"Chapters": [], "Appendices": [], "Exercises": [], "Solutions": []}
     missing = []
     for ch in book.written():
         for part, path in (("Chapters", ch.notebook), ("Exercises", ch.exercise), ("Solutions", ch.solution)):
             if not (book.root / path).is_file():
                 missing.append(f"chapter {ch.id} ({ch.title}): {path}")
             parts[part].append(path)
+    for ap in book.written_appendices():
+        if not (book.root / ap.notebook).is_file():
+            missing.append(f"appendix {ap.id} ({ap.title}): {ap.notebook}")
+        parts["Appendices"].append(ap.notebook)
     if missing:
         raise SiteError(
             "book.yml marks these chapters `status: written`, but their files do not exist:\n  "
@@ -344,6 +349,7 @@ def intro_page(book: Book) -> str:
             lines += ["After this chapter you can:", ""] + [f"- {goal}" for goal in ch.goals] + [""]
         if ch.written:
             lines += [f"[Exercises]({ch.exercise}) · [Solutions]({ch.solution}) · [Drills](drills.md)", ""]
+            lines += [f"Appendix {ap.id}: [{ap.title}]({ap.notebook})\n" for ap in book.appendices_of(ch.id)]
     lines += ["## Drill bank", "", "[Interview drills](drills.md), answers hidden until you open them.", ""]
     return "\n".join(lines)
 
@@ -412,11 +418,12 @@ def site_config(book: Book) -> dict[str, Any]:
 
 
 def site_toc(book: Book, parts: dict[str, list[str]]) -> dict[str, Any]:
-    """Jupyter Book's `_toc.yml`: intro, then the parts Chapters, Exercises, Solutions, Drill bank."""
-    by_path: dict[str, Chapter] = {}
+    """Jupyter Book's `_toc.yml`: intro, then the parts Chapters, Appendices, Exercises, Solutions, Drill bank."""
+    by_path: dict[str, Chapter | Appendix] = {}
     for ch in book.written():
         by_path.update({ch.notebook: ch, ch.exercise: ch, ch.solution: ch})
-    suffix = {"Chapters": "", "Exercises": ": exercises", "Solutions": ": solutions"}
+    by_path.update({ap.notebook: ap for ap in book.written_appendices()})
+    suffix = {"Chapters": "", "Appendices": "", "Exercises": ": exercises", "Solutions": ": solutions"}
     toc_parts: list[dict[str, Any]] = []
     for part, paths in parts.items():
         if paths:
@@ -555,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 book = load_book(args.book)
                 parts = notebook_parts(book)
-                paths = [book.root / p for p in [*parts["Chapters"], *parts["Solutions"]]]
+                paths = [book.root / p for p in [*parts["Chapters"], *parts["Appendices"], *parts["Solutions"]]]
             execute_sources(paths)
             print(f"Saved the outputs of {len(paths)} notebook(s); commit them with the notebooks.")
             return 0

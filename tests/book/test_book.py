@@ -65,7 +65,8 @@ def test_chapter_imports_the_modules_it_introduces(chapter):
     assert not missing, f"{chapter.notebook} introduces {missing} (book.yml) but never imports them"
 
 
-@pytest.mark.parametrize("path", [p for c in WRITTEN for p in (c.notebook, c.solution)])
+@pytest.mark.parametrize("path", [p for c in WRITTEN for p in (c.notebook, c.solution)]
+                         + [a.notebook for a in BOOK.written_appendices()])
 def test_committed_notebook_is_executed_in_order_with_outputs(path):
     nb = nbformat.read(BOOK.root / path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
@@ -91,3 +92,39 @@ def test_book_yml_errors_name_the_field(tmp_path):
         load_book(bad)
     with pytest.raises(BookError, match="not found"):
         load_book(tmp_path / "missing.yml")
+
+
+def test_appendix_05b_is_in_the_book_and_linked_both_ways():
+    """Chapter 05 tells the GPU fast path as a story; its round-by-round record is appendix 05b (issue 56)."""
+    from minillm.book.site import notebook_parts, site_toc
+
+    (appendix,) = BOOK.appendices_of("05")
+    assert appendix.id == "05b" and appendix.notebook == f"chapters/{appendix.slug}.ipynb"
+    assert (BOOK.root / appendix.notebook).is_file()
+    parts = notebook_parts(BOOK)
+    assert parts["Appendices"] == [appendix.notebook]
+    toc = {e["file"]: e["title"] for part in site_toc(BOOK, parts)["parts"] for e in part["chapters"]}
+    assert toc[appendix.notebook.removesuffix(".ipynb")].startswith("05b")
+    assert f"| 05b | appendix: [{appendix.title}]({appendix.notebook}) | |" in readme_contents(BOOK)
+
+    def links(path: str) -> set[str]:
+        nb = nbformat.read(BOOK.root / path, as_version=4)
+        return {m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"\]\(([^)#]+\.ipynb)", c.source)}
+
+    assert f"{appendix.slug}.ipynb" in links(BOOK.chapter("05").notebook), "chapter 05 must link to its appendix"
+    assert "05_batching.ipynb" in links(appendix.notebook), "the appendix must link back to chapter 05"
+
+
+def test_an_appendix_needs_its_chapter_and_an_id_made_from_it(tmp_path):
+    head = ("title: t\nchapters:\n  - id: '05'\n    title: x\n    status: planned\n    notebook: a\n"
+            "    solution: b\n    exercise: c\n")
+    bad = tmp_path / "book.yml"
+    bad.write_text(head + "appendices:\n  - {id: '06b', chapter: '05', title: r, notebook: n}\n")
+    with pytest.raises(BookError, match="chapter's id and a letter"):
+        load_book(bad)
+    bad.write_text(head + "appendices:\n  - {id: '07b', chapter: '07', title: r, notebook: n}\n")
+    with pytest.raises(BookError, match="is not a chapter"):
+        load_book(bad)
+    bad.write_text(head + "appendices:\n  - {id: '05b', chapter: '05', title: r, notebook: n}\n")
+    assert [a.id for a in load_book(bad).appendices] == ["05b"]
+
