@@ -120,6 +120,8 @@ MAX_N = 16  # the most completions (n, best_of) one request may ask for
 MAX_STOP = 64  # the most stop strings one request may give: each is looked for after every token
 MAX_STOP_CHARS = 1024  # the longest stop string
 SHUTDOWN_MARGIN_S = 0.5  # open streams end this long before the shutdown limit, so that their last event gets out
+MAX_SCHEMAS = 64  # compiled response_format schemas kept for the next request that sends the same one
+MAX_SCHEMA_CELLS = 2 * 10**8  # ...and their indexes' states x vocabulary cells in all (a mask byte each, and more)
 REQUEST_THREADS = 2  # threads parsing, validating and tokenising bodies (under the GIL, more only queue longer)
 SCHEMA_THREADS = 2  # threads compiling response_format schemas: apart, so hostile schemas cannot starve the rest
 JSON_OBJECT = json_object_regex()  # the pattern of response_format {"type": "json_object"}
@@ -625,9 +627,12 @@ class AsyncEngine:
             except (ValueError, RecursionError) as exc:
                 raise APIError(400, f"response_format json_schema: {exc}", param="response_format",
                                code="invalid_value") from exc
-            if len(self.constraints) >= 64:  # a few compiled schemas at most: drop the oldest
-                self.constraints.pop(next(iter(self.constraints)))
             self.constraints[key] = index
+            # a few compiled schemas at most, by count and by size (an index holds states x vocabulary cells): the
+            # oldest go first, never the one just built
+            while len(self.constraints) > 1 and (len(self.constraints) > MAX_SCHEMAS or sum(
+                    c.mask.numel() for c in self.constraints.values()) > MAX_SCHEMA_CELLS):
+                self.constraints.pop(next(iter(self.constraints)))
         return self.constraints[key]
 
     def add(self, prompt: str | list[int], params: SamplingParams,

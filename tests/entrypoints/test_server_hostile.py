@@ -339,6 +339,37 @@ def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, m
     assert built == [JSON_OBJECT, schema_to_regex(schema)], "json_object was not compiled again; the schema was"
 
 
+def test_the_compiled_schemas_are_kept_within_a_size_not_only_a_count(model_and_tokenizer, monkeypatch):
+    """An index holds states x vocabulary cells, so 64 kept schemas could hold gigabytes: past MAX_SCHEMA_CELLS the
+    oldest are dropped (and compiled again if asked again), never the one just built."""
+    from types import SimpleNamespace
+
+    from conftest import served_in_thread
+
+    import minillm.entrypoints.server as server
+    from minillm.sampler.constrained import TokenIndex
+
+    built: list[str] = []
+    original = TokenIndex.__init__
+
+    def counting(index: TokenIndex, dfa, *args, **kwargs) -> None:
+        built.append(dfa.pattern)
+        original(index, dfa, *args, **kwargs)
+
+    monkeypatch.setattr(TokenIndex, "__init__", counting)
+    monkeypatch.setattr(server, "MAX_SCHEMA_CELLS", 1)  # room for the newest index alone
+    model, tokenizer = model_and_tokenizer
+    app = server.create_app(LLMEngine(model, tokenizer, max_num_seqs=4), MODEL, api_key=KEY)
+    schemas = [{"type": "object", "properties": {name: {"type": "boolean"}}} for name in ("a", "b", "a")]
+    with served_in_thread(app, log_level="critical") as url:
+        for schema in schemas:
+            response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            done = post(SimpleNamespace(url=url), {"model": MODEL, "prompt": "A", "max_tokens": 4,
+                                                   "response_format": response_format})
+            assert done.status_code == 200, done.text
+    assert len(built) == 1 + 3, "json_object at start-up, then a, b, and a again (dropped for b)"
+
+
 # ---------------------------------------------------------------------- 6. streams end with an event at shutdown
 def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
     """`minillm serve --shutdown-timeout 2` and SIGTERM while a long stream runs: uvicorn used to cancel the stream at

@@ -139,3 +139,22 @@ def test_json_object_regex_takes_json_objects_nested_up_to_its_depth():
         assert not dfa.matches(text), f"{text}: not an object, not JSON, or nested past depth 3"
     with pytest.raises(ValueError, match="depth"):
         json_object_regex(0)
+
+
+def test_an_index_too_large_for_memory_is_refused_before_it_is_built(monkeypatch):
+    """A small pattern can have many states ((a|b)*a(a|b){k}: 2^(k+1)), and the token index holds states x vocabulary
+    cells: past MAX_INDEX_CELLS it is refused with the numbers, before the walk allocates them; json_object's
+    automaton fits it even over a 128k-token vocabulary."""
+    from minillm.sampler.constrained import token_index
+    from minillm.sampler.constrained.json_schema import json_object_regex
+    from minillm.sampler.constrained.token_index import MAX_INDEX_CELLS, TokenIndex
+
+    dfa = RegexDFA("(a|b)*a(a|b){9}")  # 1,024 states
+    assert dfa.n_states == 1024
+    vocab = [bytes([c]) for c in range(256)]
+    monkeypatch.setattr(token_index, "MAX_INDEX_CELLS", 1024 * 256 - 1)
+    with pytest.raises(ValueError, match=r"1,024 states.*262,144 cells, past the budget of 262,143.*Simplify"):
+        TokenIndex(dfa, vocab, [0])
+    monkeypatch.setattr(token_index, "MAX_INDEX_CELLS", 1024 * 256)
+    assert TokenIndex(dfa, vocab, [0]).mask.shape == (1024, 256)
+    assert RegexDFA(json_object_regex()).n_states * 128_256 <= MAX_INDEX_CELLS
