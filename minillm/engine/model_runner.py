@@ -22,6 +22,7 @@ of its own) call directly; with `packed=True`, prompt chunks side by side in one
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -401,6 +402,9 @@ class ModelRunner:
                 logprobs = chosen[offset: offset + len(tokens)]  # every emitted token is the argmax at its position
                 tops: list[dict[int, float]] = [{} for _ in tokens]
                 offset += len(raw)
+            elif not bool(torch.isfinite(raw).all()):  # NaN or infinite logits (a broken adapter): this row fails
+                results.append(SampledTokens(seq, [0], [math.nan], [{}]))  # alone (`LLMEngine._append`), not the step
+                continue
             else:
                 tokens = speculative.accept(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, draft, q,
                                             seq.generator)

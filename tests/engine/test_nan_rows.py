@@ -56,3 +56,40 @@ def test_a_row_of_nan_logits_finishes_its_request_with_an_error_and_no_other(mod
     assert outputs["healthy"].token_ids == alone.run()["healthy", 0].token_ids
     assert outputs["healthy"].finish_reason == "length"
     assert engine.cache.allocator.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_row_of_nan_logits_in_a_sampled_verify_step_fails_alone(model_and_tokenizer):
+    """With speculation a sampled row runs the exact rule on its own probabilities, and a NaN row's draw raised and
+    failed the whole step. LoRA adapters are not served with speculation, so the NaN is put into one row's verify
+    logits directly (the runner's verify_logits wrapped), once the verify steps have begun."""
+    from minillm.sampler.speculative import NgramDrafter, SpeculativeConfig
+
+    model, tokenizer = model_and_tokenizer
+    prompts = {"healthy": ("ROMEO.\nROMEO.\n", SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
+               "poisoned": ("JULIET.\nJULIET.\n", SamplingParams(temperature=1.0, seed=3, max_tokens=16))}
+
+    def run(names: list[str]) -> dict:
+        engine = LLMEngine(model, tokenizer, max_num_seqs=4,
+                           speculative=SpeculativeConfig(NgramDrafter(), num_speculative_tokens=2))
+        runner, steps = engine.model_runner, [0]
+        real = runner.verify_logits
+        poisoned_ids = set()
+
+        def verify_logits(seq_ids, rows):
+            logits = real(seq_ids, rows)
+            steps[0] += 1
+            if steps[0] >= 2:  # the poisoned request's row from its second verify step on
+                logits = [x.clone().fill_(float("nan")) if i in poisoned_ids else x for i, x in zip(seq_ids, logits)]
+            return logits
+
+        runner.verify_logits = verify_logits
+        for name in names:
+            engine.add_request(name, *prompts[name])
+        poisoned_ids.update(s.seq_id for s in engine.scheduler.waiting if s.request_id == "poisoned")
+        outputs = {request: out for (request, _), out in engine.run().items()}
+        assert engine.cache.allocator.num_used_blocks == 0 and steps[0] >= 2, steps
+        return outputs
+
+    both, alone = run(["healthy", "poisoned"]), run(["healthy"])
+    assert both["poisoned"].finish_reason == "error", both["poisoned"]
+    assert both["healthy"].finish_reason == "length" and both["healthy"].token_ids == alone["healthy"].token_ids
