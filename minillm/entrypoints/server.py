@@ -119,7 +119,8 @@ log = logging.getLogger("minillm")
 MAX_N = 16  # the most completions (n, best_of) one request may ask for
 MAX_STOP = 64  # the most stop strings one request may give: each is looked for after every token
 MAX_STOP_CHARS = 1024  # the longest stop string
-SHUTDOWN_MARGIN_S = 0.5  # open streams end this long before the shutdown limit, so that their last event gets out
+SHUTDOWN_MARGIN_S = 1.0  # open streams end this long before the shutdown limit, so that their last event gets out
+# (a second: on a loaded machine the engine's step and the event loop delay the last chunks)
 MAX_SCHEMAS = 64  # compiled response_format schemas kept for the next request that sends the same one
 MAX_SCHEMA_CELLS = 2 * 10**8  # ...and their indexes' states x vocabulary cells in all (a mask byte each, and more)
 REQUEST_THREADS = 2  # threads parsing, validating and tokenising bodies (under the GIL, more only queue longer)

@@ -375,7 +375,7 @@ def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
     """`minillm serve --shutdown-timeout 2` and SIGTERM while a long stream runs: uvicorn used to cancel the stream at
     the limit mid-chunk (no finish_reason, no [DONE]: a client cannot tell a cut from a network fault). Now the app
     ends it just before the limit: a last chunk with finish_reason "abort" for each choice, then [DONE], and the
-    process exits. The 11M model, because 1m's 1,000 tokens can come within the 2 s on an idle machine."""
+    process exits. The 11M model, because 1m's 1,000 tokens can come within the limit on an idle machine."""
     import signal
     import socket
     import subprocess
@@ -416,7 +416,9 @@ def test_a_stream_open_at_the_shutdown_limit_gets_a_last_event(tmp_path):
         assert [(c["index"], c["finish_reason"], c["text"]) for c in last] == [(0, "abort", ""), (1, "abort", "")], last
         streamed = [json.loads(e)["choices"][0] for e in events[:-3]]
         assert all(c["finish_reason"] is None for c in streamed) and len(streamed) < 2000, "it ended before its end"
-        assert 1.0 < ended_after < 2.0, f"it ran on until just before the 2 s limit, not {ended_after:.2f} s"
+        # it ran on until the margin before the 2 s limit (1.5 s), not ending at once; late is fine (a loaded
+        # machine), a cut is not
+        assert ended_after > 1.0, f"it ended {ended_after:.2f} s after SIGTERM, long before the 2 s limit"
         assert proc.wait(timeout=30) is not None
     finally:
         if proc.poll() is None:
