@@ -301,16 +301,9 @@ def test_a_repeated_error_line_is_logged_a_few_times_then_counted():
 
 
 # ---------------------------------------------------------------------- 5. json_object compiled once, at start-up
-def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, monkeypatch):
-    """response_format json_object compiled its pattern at the first request that asked (1-2 s, under a time budget
-    that a loaded machine could fail), and 64 other schemas pushed it out of the cache. Now the app builds its token
-    index as it starts, before answering anything, and no request builds it again."""
-    from types import SimpleNamespace
-
-    from conftest import served_in_thread
-
-    from minillm.entrypoints.server import JSON_OBJECT, create_app
-    from minillm.sampler.constrained import TokenIndex, schema_to_regex
+def index_builds(monkeypatch) -> list[str]:
+    """The patterns of every TokenIndex built from now on (TokenIndex.__init__ wrapped), in order."""
+    from minillm.sampler.constrained import TokenIndex
 
     built: list[str] = []
     original = TokenIndex.__init__
@@ -320,6 +313,21 @@ def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, m
         original(index, dfa, *args, **kwargs)
 
     monkeypatch.setattr(TokenIndex, "__init__", counting)
+    return built
+
+
+def test_json_object_is_built_at_start_up_and_never_again(model_and_tokenizer, monkeypatch):
+    """response_format json_object compiled its pattern at the first request that asked (1-2 s, under a time budget
+    that a loaded machine could fail), and 64 other schemas pushed it out of the cache. Now the app builds its token
+    index as it starts, before answering anything, and no request builds it again."""
+    from types import SimpleNamespace
+
+    from conftest import served_in_thread
+
+    from minillm.entrypoints.server import JSON_OBJECT, create_app
+    from minillm.sampler.constrained import schema_to_regex
+
+    built = index_builds(monkeypatch)
     model, tokenizer = model_and_tokenizer
     engine = LLMEngine(model, tokenizer, max_num_seqs=4)
     app = create_app(engine, MODEL, api_key=KEY)
@@ -347,16 +355,8 @@ def test_the_compiled_schemas_are_kept_within_a_size_not_only_a_count(model_and_
     from conftest import served_in_thread
 
     import minillm.entrypoints.server as server
-    from minillm.sampler.constrained import TokenIndex
 
-    built: list[str] = []
-    original = TokenIndex.__init__
-
-    def counting(index: TokenIndex, dfa, *args, **kwargs) -> None:
-        built.append(dfa.pattern)
-        original(index, dfa, *args, **kwargs)
-
-    monkeypatch.setattr(TokenIndex, "__init__", counting)
+    built = index_builds(monkeypatch)
     monkeypatch.setattr(server, "MAX_SCHEMA_CELLS", 1)  # room for the newest index alone
     model, tokenizer = model_and_tokenizer
     app = server.create_app(LLMEngine(model, tokenizer, max_num_seqs=4), MODEL, api_key=KEY)
