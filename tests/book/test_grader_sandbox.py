@@ -295,14 +295,15 @@ def test_the_call_watcher_knows_a_call_and_a_renamed_copy_by_what_its_code_does(
     logits, watch = torch.randn(2, 9), watch_list(("minillm.sampler.sampling.top_p_filter",))
     value, error, hits = _call_watched(lambda: namespace["mine"](logits, 0.5), watch)
     assert error is None and hits == [] and torch.equal(value, sampling.top_p_filter(logits, 0.5))
-    assert flags == ["ran a copy of minillm.sampler.sampling.top_p_filter: the same instructions once names and "
-                     "docstrings are set aside"]
+    copies = [f for f in flags if f.startswith("ran a copy")]  # (threads other tests left running flag too)
+    assert copies == ["ran a copy of minillm.sampler.sampling.top_p_filter: the same instructions once names and "
+                      "docstrings are set aside"]
     assert _call_watched(lambda: sampling.top_p_filter(logits, 0.5), watch)[2] == [
         "minillm.sampler.sampling.top_p_filter"]
     exec(inspect.getsource(arithmetic.cdiv).replace("def cdiv", "def my_ceiling"), namespace)  # noqa: S102
     flags.clear()
     value, error, hits = _call_watched(lambda: namespace["my_ceiling"](7, 2), watch_list(("minillm.arithmetic.cdiv",)))
-    assert (value, error, hits, flags) == (4, None, [], [])
+    assert (value, error, hits) == (4, None, []) and not [f for f in flags if f.startswith("ran a copy")]
 
 
 def test_python_under_tmp_stays_visible_in_the_sandbox(monkeypatch):
