@@ -65,7 +65,9 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     linear ramp over the dimensions between (its attention factor is `rope_attention_factor`).
     """
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # On the CPU, even inside `with torch.device("meta")` (where loaders build a model's shapes): arithmetic on meta
+    # tensors imports torch's compiler (1.3 s), and RotaryEmbedding._apply computes them again on the model's device.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -90,7 +92,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         if scaling.get("truncate", True):
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, d - 1)
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)  # ramp 0: kept, 1: interpolated
     return inv_freq
 
@@ -126,7 +128,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        default_device = torch.empty(0).device  # the model is built on it ("meta" in the loaders)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config).to(default_device), persistent=False)
         self.attention_factor = rope_attention_factor(config)  # 1.0 except for YaRN
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
@@ -566,7 +569,13 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        # Given its matrix, nn.Embedding skips its random init; fill it here, except on the "meta" device (where
+        # loaders build the model's shapes first): there is nothing to fill, and torch's normal_ on meta
+        # tensors imports its compiler, 1.3-1.7 s of every `minillm generate` on this book's CPU.
+        weight = torch.empty(config.vocab_size, config.dim)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)

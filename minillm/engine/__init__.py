@@ -8,6 +8,7 @@
     model_runner.py   ModelRunner: the one place a step runs the model (eager, CUDA graphs, compiled) and samples
     cuda_graphs.py    DecodeGraphs: decode steps captured once and replayed
     compiled_step.py  CompiledDecode: the CPU's counterpart, a decode step compiled ahead of time
+    compile_cache.py  compiled steps kept on disk, checked before use; compile_ahead.py fills it (`minillm compile`)
     draft_model.py    DraftModelDrafter: speculative decoding's draft model, on a paged cache of its own (chapter 07)
     engine_config.py  EngineConfig: every setting of an engine but the model and tokenizer, in one object
     llm_engine.py     LLMEngine: step = schedule -> run -> postprocess

@@ -40,11 +40,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
 import torch
 
+import minillm.engine.compile_cache as compile_cache
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.kv_cache import PagedCacheView, PagedKVCache
 from minillm.engine.step_inputs import TABLE
@@ -76,8 +78,25 @@ def _matvec_lowering() -> Iterator[None]:
         yield
 
 
+def describe_inputs(args: tuple[torch.Tensor, ...], dynamic_shapes: tuple[Any, ...]) -> list[list[Any]]:
+    """Each argument's dtype, shape and strides, a size that may change written as "name[min, max]" (its
+    `torch.export.Dim`): what a compiled step was compiled for. `dynamic_shapes` as for `CompiledStep`."""
+
+    def per_argument(shapes: Any) -> list[dict[int, Any]]:  # one {dim: Dim} per tensor, in the order of args
+        if isinstance(shapes, (tuple, list)):
+            return [dims for part in shapes for dims in per_argument(part)]
+        return [shapes or {}]
+
+    described = []
+    for t, dims in zip(args, per_argument(dynamic_shapes), strict=True):
+        shape = [f"{dims[i].__name__}[{dims[i].min}, {dims[i].max}]" if i in dims else n for i, n in enumerate(t.shape)]
+        described.append([str(t.dtype), shape, list(t.stride())])
+    return described
+
+
 class CompiledStep:
-    """`module`'s forward, exported with `torch.export` and compiled ahead of time by AOTInductor.
+    """`module`'s forward, exported with `torch.export` and compiled ahead of time by AOTInductor, or loaded from
+    the cache of compiled steps (`minillm.engine.compile_cache`) when an earlier process compiled the same step.
 
     Args:
         module: the step; its parameters and buffers become the compiled graph's constants, used in place
@@ -88,10 +107,13 @@ class CompiledStep:
 
     Call it with a list of tensors in the order of `args`, of the sizes `dynamic_shapes` allows: nothing
     checks them (a wrong size reads or writes out of bounds), so the caller must. Returns the module's
-    output tensor. Compiling takes seconds (14-22 s for the shipped model on this book's CPU).
+    output tensor. Compiling takes tens of seconds (35-54 s for the shipped model on this book's AMD CPU, 14-22 s
+    on its Intel one); loading a cached step, a fraction of one. `seconds` says how long this one took, and
+    `from_cache` whether it was loaded.
     """
 
     compiles = 0  # how many steps this process has compiled (tests count them)
+    loads = 0  # how many it has loaded from the cache
 
     def __init__(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                  dynamic_shapes: tuple[Any, ...]) -> None:
@@ -101,6 +123,24 @@ class CompiledStep:
             # Inductor's on-disk cache of compiled graphs does not tell decompositions apart: for 16-bit
             # weights, whose lowering differs, compile afresh rather than reuse a graph compiled without ours.
             configs["fx_graph_cache"] = False
+        root = compile_cache.cache_root()
+        description = compile_cache.describe_step(module, describe_inputs(args, dynamic_shapes), configs)
+        name = compile_cache.entry_name(description)
+        run = compile_cache.load_entry(root, name, module, description) if root is not None else None
+        self.from_cache = run is not None
+        if run is None:
+            run = self.compile(module, args, dynamic_shapes, configs, root, name, description, start)
+        else:
+            CompiledStep.loads += 1
+        self.run = run  # [tensors] -> [outputs]; empties the list it is given
+        self.seconds = time.perf_counter() - start
+        log.info("%s the decode step in %.1f s", "loaded" if self.from_cache else "compiled", self.seconds)
+
+    @staticmethod
+    def compile(module: torch.nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: tuple[Any, ...],
+                configs: dict[str, Any], root: Path | None, name: str, description: dict[str, Any],
+                start: float) -> compile_cache.Runner:
+        """Export and compile the step now, keep it in the cache (when there is one), and bind it to `module`."""
         with (warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="minillm-step-") as folder,
               _matvec_lowering()):
             # (PyTorch pickles the traced program with a call it has itself deprecated: its warning, not ours)
@@ -108,16 +148,11 @@ class CompiledStep:
             with torch.inference_mode():
                 program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
             path = torch._inductor.aoti_compile_and_package(
-                program, package_path=os.path.join(folder, "step.pt2"), inductor_configs=configs)
-            compiled = torch._inductor.aoti_load_package(path)
-        tensors = dict(module.named_parameters(remove_duplicate=False))
-        tensors.update(module.named_buffers(remove_duplicate=False))
-        compiled.load_constants({name: tensors[name] for name in compiled.get_constant_fqns()},
-                                check_full_update=True, user_managed=True)
-        self.run = compiled.loader.boxed_run  # [tensors] -> [outputs]; empties the list it is given
-        CompiledStep.compiles += 1
-        self.seconds = time.perf_counter() - start
-        log.info("compiled the decode step ahead of time in %.1f s", self.seconds)
+                program, package_path=os.path.join(folder, compile_cache.PACKAGE), inductor_configs=configs)
+            CompiledStep.compiles += 1
+            if root is not None:
+                compile_cache.store_entry(root, name, Path(path), description, time.perf_counter() - start)
+            return compile_cache.bind(Path(path), module)
 
     def __call__(self, args: list[torch.Tensor]) -> torch.Tensor:
         return self.run(list(args))[0]
@@ -214,3 +249,4 @@ class CompiledDecode(DecodeGraphs):
         column's stale block id is masked."""
         inputs = self.inputs[:size, : max(width, TABLE + 2)]
         return self.compiled_step(size)([inputs, *self.pools])[:n]
+

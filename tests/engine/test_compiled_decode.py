@@ -110,21 +110,103 @@ print("int8", compiled.token_ids == eager.token_ids, CompiledStep.compiles)
 """
 
 
-def test_compiled_decode_gives_the_eager_engines_tokens():
+def test_compiled_decode_gives_the_eager_engines_tokens(tmp_path):
     """Greedy text of the shipped model through generate, eager and with the decode step compiled: the same
     tokens, from one compile (seconds on a CPU) that serves every table width and both prompts; then a batch
     of three rows of different lengths, compiled and eager, the same tokens (one more compile, for batches above
     1); the model in bf16 (compiled again: new weights), and with int8 weights and an 8-bit KV cache, the same
     tokens as eager each. In a process of its own: Inductor
     sets up Triton's drivers, which the Triton interpreter of other test files needs left alone."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", COMPILED_EQUALS_EAGER], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_in_own_process(COMPILED_EQUALS_EAGER, tmp_path)
     assert proc.stdout.split() == ["ROMEO", "True", "40", "JULIET", "True", "40", "compiles", "1", "batch", "True", "2",
                                   "bf16", "True", "3", "int8", "True", "4"], \
         proc.stdout
+    assert len([entry for entry in tmp_path.iterdir() if not entry.name.startswith(".")]) == 4  # one entry a step
+
+
+def run_in_own_process(script: str, cache: os.PathLike) -> subprocess.CompletedProcess:
+    """`script` in a fresh Python process at one thread, with `cache` as its cache of compiled steps. In a process
+    of its own: Inductor sets up Triton's drivers, which the Triton interpreter of other test files needs left
+    alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "MINILLM_COMPILE_CACHE": str(cache)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+CACHED_STEP = """
+import sys
+import torch
+import minillm
+from minillm.engine.compiled_step import CompiledStep
+model, tok = minillm.load(minillm.DEFAULT_MODEL)
+with torch.no_grad():  # other weights, the same shapes: a cached step reads these, not those it was compiled with
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+params = minillm.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+eager = minillm.generate(model, "ROMEO.\\n", params, tok)
+compiled = minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode=True)
+print(compiled.token_ids == eager.token_ids, "compiles", CompiledStep.compiles, "loads", CompiledStep.loads,
+      "inductor", "torch._inductor" in sys.modules)  # a step loaded from the cache needs no compiler
+"""
+
+
+def test_a_compiled_step_is_kept_on_disk_and_checked_before_it_is_used(tmp_path):
+    """`minillm compile` compiles the shipped model's two decode steps (batch 1, larger batches) into the cache; a
+    process on a model of the same shapes with other weights loads the batch-1 step (no compile) and gives that
+    model's eager tokens, so the package holds no weights of its own. A package cut short is found out by its
+    SHA-256: the next process removes the entry, warns, compiles again and keeps a good entry, which
+    `minillm compile` then finds with the other."""
+    compile_command = "import sys; from minillm.cli import run; sys.argv[1:] = ['compile', '--threads', '1']; run()"
+
+    def compile_reports(proc: subprocess.CompletedProcess) -> list[str]:  # "batch 1, 1 thread(s): compiled in 20.1 s"
+        return [line.split(": ")[1].rsplit(" in ", 1)[0] for line in proc.stdout.splitlines()[:2]]
+
+    first = run_in_own_process(compile_command, tmp_path)
+    assert compile_reports(first) == ["compiled", "compiled"], first.stdout
+    entries = [e for e in tmp_path.iterdir() if not e.name.startswith(".")]
+    assert len(entries) == 2 and all(sorted(f.name for f in e.iterdir()) == ["entry.json", "step.pt2"] for e in entries)
+    second = run_in_own_process(CACHED_STEP, tmp_path)
+    assert second.stdout.split() == ["True", "compiles", "0", "loads", "1", "inductor", "False"], second.stdout
+    for entry in entries:  # cut both packages short
+        package = entry / "step.pt2"
+        package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
+    third = run_in_own_process(CACHED_STEP, tmp_path)
+    assert third.stdout.split() == ["True", "compiles", "1", "loads", "0", "inductor", "True"], third.stdout
+    assert "unusable" in third.stderr and "SHA-256" in third.stderr, third.stderr[-2000:]
+    fourth = run_in_own_process(CACHED_STEP, tmp_path)
+    assert fourth.stdout.split() == ["True", "compiles", "0", "loads", "1", "inductor", "False"], fourth.stdout
+    fifth = run_in_own_process(compile_command, tmp_path)  # batch 1 as rebuilt; the larger batches' cut entry redone
+    assert compile_reports(fifth) == ["found in the cache, loaded", "compiled"], fifth.stdout
+
+
+def test_the_cache_key_names_what_decides_a_compiled_step():
+    """Another dtype, thread count, static input size or dynamic range is another entry; the same step, or one whose
+    inputs differ only in a size that may change (the pool's blocks), is the same entry."""
+    from minillm.engine import compile_cache
+    from minillm.engine.compiled_step import describe_inputs
+
+    module = torch.nn.Linear(4, 3)
+    blocks = torch.export.Dim("blocks", min=2)
+
+    def name(m: torch.nn.Module = module, rows: int = 5, width: int = 4, dims: dict | None = None) -> str:
+        inputs = describe_inputs((torch.zeros(rows, width),), ({0: blocks} if dims is None else dims,))
+        return compile_cache.entry_name(compile_cache.describe_step(m, inputs, {}))
+
+    same = name()
+    assert name() == same and name(rows=9) == same  # the dynamic size may change
+    assert name(torch.nn.Linear(4, 3).to(torch.bfloat16)) != same
+    assert name(width=6) != same
+    assert name(dims={0: torch.export.Dim("blocks", min=3)}) != same
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert name() != same
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_compile_decode_is_refused_where_it_cannot_run():

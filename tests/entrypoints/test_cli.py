@@ -189,6 +189,19 @@ def test_cli_does_not_import_torch_before_it_is_needed():
                                          "keep those imports lazy")
 
 
+def test_generate_loads_and_runs_without_torchs_compiler():
+    """What `minillm generate` runs (loading the shipped model, decoding eagerly) never imports torch._dynamo or
+    torch._inductor: their import alone is 1.3-2.5 s on this book's CPU. (Arithmetic on the "meta" tensors a loader
+    builds its model from imported them; a compiled step loaded from the cache does not either:
+    tests/engine/test_compiled_decode.py.)"""
+    code = ("import sys, torch, minillm; m, t = minillm.load(minillm.DEFAULT_MODEL); "
+            "minillm.generate(m, 'To be', minillm.SamplingParams(temperature=0, max_tokens=3), t); "
+            "print(sorted(k for k in ('torch._dynamo', 'torch._inductor') if k in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"loading and generating imported {proc.stdout.strip()}"
+
+
 @pytest.mark.parametrize("delay_s", [0.3, 1.0])
 def test_ctrl_c_during_start_up_prints_no_traceback(llama_folder, delay_s):
     """Ctrl-C while `minillm generate` is still importing PyTorch or loading the model ends it quietly (status 130)."""
