@@ -73,15 +73,25 @@ def source_digest() -> str:
 
 
 @functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), else the platform's processor string."""
+def cpu_info(field: str) -> str:
+    """A field of /proc/cpuinfo's first processor ("model name", "vendor_id"), or "" where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), else the platform's processor string."""
+    return cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """"GenuineIntel", "AuthenticAMD", ... (from /proc/cpuinfo), or "" where it is not known."""
+    return cpu_info("vendor_id")
 
 
 def describe_step(module: torch.nn.Module, inputs: list[Any], configs: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ input rows and the KV pools) is traced once by `torch.export`, and AOTInductor c
 graph into a shared library of C++ loops and library calls (`torch._inductor.aoti_compile_and_package`). It is
 the CPU's counterpart of a CUDA graph: one call runs the whole step, with nothing in Python between the ~70
 loops and matrix products. It is compiled once per model, thread count and KV-cache layout, for batch 1 and
-again for larger batches (`CompiledDecode.compiled_step`), in 14-22 s for the shipped model on this book's CPU.
+again for larger batches (`CompiledDecode.compiled_step`), in 15-22 s for the shipped model on this book's CPUs,
+then kept in the cache of compiled steps for later processes.
 
 Why not `torch.compile`, which compiles the same graph with the same Inductor? Because every call of a
 `torch.compile`d function first runs Python: Dynamo checks its guards (484 here: is this still the same model,
@@ -20,14 +21,17 @@ construction (it cuts them from its own buffer), and nothing checks them per cal
 
 One change to how Inductor lowers it: at batch 1 every linear layer is a matrix-vector product, and the time
 of a step is the time to stream the weights through it. Inductor hands each product to PyTorch's own kernels
-(`aten.mm`), which stream fp32 weights at about 21 GB/s on one core of this book's CPU but bf16 weights at
+(`aten.mm`), which stream fp32 weights at about 21 GB/s on one core of this book's Intel CPU but bf16 weights at
 only about 9 GB/s (`matvec_1_thread` in `results/cpu_decode/archive/cpu_decode_cpu.json`): half the bytes, yet
-slower than fp32.
-So for 16-bit weights and one row, we lower the product ourselves, as what it is: for each output, a sum over
-the inputs of x[k] * w[n, k], each weight widened to fp32 as it is read. Written as a multiply and a sum,
-Inductor generates that loop itself in C++ with vector instructions, reading the weights once in their own 16
-bits: on this book's CPU, 1.4x the tokens/s of the bf16 step through `aten.mm`. Larger batches, fp32 weights
-and the int8 kernel keep PyTorch's kernels: lowered this way, our fp32 and int8 steps measured slower.
+slower than fp32. So for 16-bit weights and one row, we lower the product ourselves, as what it is: for each
+output, a sum over the inputs of x[k] * w[n, k], each weight widened to fp32 as it is read. Written as a multiply
+and a sum, Inductor generates that loop itself in C++ with vector instructions, reading the weights once in
+their own 16 bits: on the Intel CPU, 1.4x the tokens/s of the bf16 step through `aten.mm`. Which dtypes are
+lowered this way is chosen per CPU type (`reduction_dtypes`): on the book's AMD EPYC, whose MKL streams fp32
+weights at about 10 GB/s, fp32 is lowered too (1.7x the step's tokens/s at one thread, 2.8x at two); larger
+batches and the int8 kernel keep PyTorch's kernels everywhere.
+
+Compiled steps are kept on disk (`minillm.engine.compile_cache`): a later process loads one in milliseconds.
 """
 
 from __future__ import annotations
@@ -57,24 +61,58 @@ aten = torch.ops.aten
 HALF = (torch.bfloat16, torch.float16)
 
 
+MATVEC_ENV = "MINILLM_CPU_MATVEC"  # auto | reduction | library: how the compiled step runs batch-1 products
+
+
+def reduction_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes whose batch-1 products the compiled step lowers as reductions Inductor generates, rather
+    than calling PyTorch's library kernels (MKL's sgemv, `aten._weight_int8pack_mm`), chosen by measurement per
+    CPU type. On an Intel CPU, 16-bit weights only: there MKL's fp32 product and the int8 kernel were the faster.
+    On any other (AMD), fp32 too: MKL's fp32 product streams about 10 GB/s on this book's AMD EPYC, where the
+    generated loop reads 17, and the compiled fp32 step decoded 330 tok/s against 198 through MKL (one thread);
+    the int8 kernel stays (640 tok/s against 525 lowered). `MINILLM_CPU_MATVEC=reduction` (every dtype, int8
+    included) or `=library` (none) overrides the choice, for A/B runs."""
+    choice = os.environ.get(MATVEC_ENV, "auto").strip().lower()
+    everything = frozenset((torch.float32, *HALF, torch.int8))  # what the override "reduction" lowers
+    if choice == "reduction":
+        return everything
+    if choice == "library":
+        return frozenset()
+    if choice != "auto":
+        raise ValueError(f"{MATVEC_ENV}={choice!r}: use auto, reduction or library.")
+    return frozenset(HALF) if compile_cache.cpu_vendor() == "GenuineIntel" else frozenset((torch.float32, *HALF))
+
+
 def matvec_as_reduction(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """aten.mm(a [1, K], b [K, N]) for 16-bit b, as sum_k a[0, k] * b[k, n] in fp32 -> [1, N] in a's dtype.
+    """aten.mm(a [1, K], b [K, N]) as sum_k a[0, k] * b[k, n] in fp32 -> [1, N] in a's dtype, for weights of a dtype
+    `reduction_dtypes()` names.
 
     Returns NotImplemented (Inductor then lowers aten.mm as usual) for anything else: more than one row, a
-    batch size not known at compile time, or fp32 weights.
+    batch size not known at compile time, or weights of another dtype.
     """
     rows = a.shape[0]
-    if out_dtype is not None or not isinstance(rows, int) or rows != 1 or b.dtype not in HALF:
+    if out_dtype is not None or not isinstance(rows, int) or rows != 1 or b.dtype not in reduction_dtypes():
         return NotImplemented
     return (a.float()[:, None, :] * b.t().float()[None]).sum(-1).to(a.dtype)  # [1, N, K] summed over K
 
 
+def int8_matvec_as_reduction(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """aten._weight_int8pack_mm(a [1, K], codes [N, K] int8, scales [N]) as scales[n] * sum_k a[0, k] * codes[n, k]
+    in fp32 -> [1, N] in a's dtype: each code widened as it is read, one byte a weight. NotImplemented (PyTorch's
+    kernel) for more than one row or where int8 is not in `reduction_dtypes()`."""
+    rows = a.shape[0]
+    if not isinstance(rows, int) or rows != 1 or torch.int8 not in reduction_dtypes():
+        return NotImplemented
+    return ((a.float()[:, None, :] * codes.float()[None]).sum(-1) * scales.float()).to(a.dtype)
+
+
 @contextmanager
 def _matvec_lowering() -> Iterator[None]:
-    """Inductor's decompositions, with `aten.mm` lowered by `matvec_as_reduction` where it applies."""
+    """Inductor's decompositions, with batch-1 products lowered as reductions where `reduction_dtypes()` says."""
     from torch._inductor import decomposition
 
-    with patch.dict(decomposition.decompositions, {aten.mm.default: matvec_as_reduction}):
+    lowered = {aten.mm.default: matvec_as_reduction, aten._weight_int8pack_mm.default: int8_matvec_as_reduction}
+    with patch.dict(decomposition.decompositions, lowered):
         yield
 
 
@@ -118,13 +156,15 @@ class CompiledStep:
     def __init__(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                  dynamic_shapes: tuple[Any, ...]) -> None:
         start = time.perf_counter()
-        configs = {"aot_inductor.package_constants_in_so": False}  # the weights: ours, given below
-        if any(t.dtype in HALF for t in module.parameters()):
-            # Inductor's on-disk cache of compiled graphs does not tell decompositions apart: for 16-bit
-            # weights, whose lowering differs, compile afresh rather than reuse a graph compiled without ours.
+        configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}  # the weights: ours, given below
+        lowered = reduction_dtypes()
+        if lowered:
+            # Inductor's on-disk cache of compiled graphs does not tell decompositions apart: where our lowering
+            # applies, compile afresh rather than reuse a graph compiled without it.
             configs["fx_graph_cache"] = False
         root = compile_cache.cache_root()
         description = compile_cache.describe_step(module, describe_inputs(args, dynamic_shapes), configs)
+        description["matvec_reductions"] = sorted(str(dtype) for dtype in lowered)
         name = compile_cache.entry_name(description)
         run = compile_cache.load_entry(root, name, module, description) if root is not None else None
         self.from_cache = run is not None

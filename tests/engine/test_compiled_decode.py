@@ -63,8 +63,11 @@ def test_paged_attention_in_pytorch_reads_8_bit_pools():
     torch.testing.assert_close(got[:, :, 0], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_matvec_as_reduction_is_the_product_for_16_bit_weights_only():
-    from minillm.engine.compiled_step import matvec_as_reduction
+def test_matvec_as_reduction_is_the_product_for_the_dtypes_chosen(monkeypatch):
+    from minillm.engine.compiled_step import int8_matvec_as_reduction, matvec_as_reduction, reduction_dtypes
+
+    monkeypatch.setenv("MINILLM_CPU_MATVEC", "auto")
+    assert {torch.bfloat16, torch.float16} <= reduction_dtypes()  # 16-bit weights on every CPU
 
     g = torch.Generator().manual_seed(0)
     a, w = torch.randn(1, 64, generator=g), torch.randn(48, 64, generator=g)
@@ -73,8 +76,21 @@ def test_matvec_as_reduction_is_the_product_for_16_bit_weights_only():
         want = a.to(dtype).float() @ w.to(dtype).float().t()  # the same rounded operands, summed in fp32
         assert got.shape == (1, 48) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
-    assert matvec_as_reduction(a, w.t()) is NotImplemented  # fp32 weights: PyTorch's kernel
     assert matvec_as_reduction(torch.randn(2, 64).bfloat16(), w.bfloat16().t()) is NotImplemented  # two rows
+    monkeypatch.setenv("MINILLM_CPU_MATVEC", "reduction")  # every dtype, fp32 and int8 included
+    torch.testing.assert_close(matvec_as_reduction(a, w.t()), a @ w.t(), rtol=1e-5, atol=1e-5)
+    codes = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+    scales = torch.rand(48, generator=g).bfloat16()
+    want = (a.bfloat16().float() @ codes.float().t()) * scales.float()
+    got = int8_matvec_as_reduction(a.bfloat16(), codes, scales)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-1)
+    monkeypatch.setenv("MINILLM_CPU_MATVEC", "library")  # none: PyTorch's kernels
+    assert matvec_as_reduction(a.bfloat16(), w.bfloat16().t()) is NotImplemented
+    assert int8_matvec_as_reduction(a.bfloat16(), codes, scales) is NotImplemented
+    monkeypatch.setenv("MINILLM_CPU_MATVEC", "fastest")
+    with pytest.raises(ValueError, match="use auto, reduction or library"):
+        reduction_dtypes()
 
 
 COMPILED_EQUALS_EAGER = """
