@@ -20,7 +20,6 @@ import contextlib
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,19 +106,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         prompt = apply_chat_template([{"role": "user", "content": args.prompt}], tokenizer)
     prompt_ids = tokenizer.encode(prompt)  # as the server encodes a chat: the template renders with bos_token=""
-    if args.compile:  # compile now, so that the stats below are of the compiled steps, not of the compiling
-        from minillm.engine.compiled_step import CompiledStep
-
-        start = time.perf_counter()
-        warm_up = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for _ in generate_stream(model, prompt_ids[:1], warm_up, tokenizer, kv_cache_dtype=args.kv_cache_dtype,
-                                 compile_decode=True):
-            pass
-        how = "compiled the decode step" if CompiledStep.compiles else "loaded the compiled decode step from the cache"
-        print(f"[{how} in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     chunks = []
     for chunk in generate_stream(model, prompt_ids, params, tokenizer, kv_cache_dtype=args.kv_cache_dtype,
-                                 compile_decode=args.compile):
+                                 compile_decode="background" if args.compile else False):
         chunks.append(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -133,6 +122,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"TTFT {ttft * 1e3:.1f} ms | decode {rate} tok/s]",
         file=sys.stderr,
     )
+    if args.compile:
+        from minillm.engine.compiled_step import BackgroundCompile, CompiledStep
+
+        if BackgroundCompile.started:
+            print("[the compiled decode step was not in the cache: it is compiling in the background for the next "
+                  "runs (tens of seconds; `minillm compile` does it ahead), and this run decoded eagerly]",
+                  file=sys.stderr)
+        elif CompiledStep.loads:
+            print("[decoded with the compiled step, loaded from the cache]", file=sys.stderr)
     return 0
 
 
@@ -325,9 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quant", choices=QUANT_CHOICES, default=None, help=QUANT_HELP)
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     gen.add_argument("--compile", action="store_true",
-                     help="CPU: run the decode step compiled ahead of time (torch.export and AOTInductor), "
-                          "loaded from the cache of compiled steps (`minillm compile` fills it), else compiled "
-                          "first (tens of seconds, once); faster decoding: results/cpu_decode/cpu.json")
+                     help="CPU: decode with the step compiled ahead of time (torch.export and AOTInductor), loaded "
+                          "from the cache of compiled steps in milliseconds; where the cache lacks it, it compiles "
+                          "in the background for later runs (tens of seconds; `minillm compile` does it ahead) "
+                          "while this run decodes eagerly. Faster decoding: results/cpu_decode/cpu.json")
     gen.set_defaults(func=cmd_generate, exit_at_once=True)
 
     comp = sub.add_parser(

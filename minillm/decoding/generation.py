@@ -120,7 +120,7 @@ def generate_stream(
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
     kv_cache_dtype: str = "auto",
-    compile_decode: bool = False,
+    compile_decode: bool | str = False,
 ) -> Iterator[StreamChunk]:
     """Generate for one prompt, yielding each token as soon as it is sampled (a verify step of speculative
     decoding may yield several at once).
@@ -134,7 +134,7 @@ def generate_stream(
 
 
 def _begin(model: Transformer, prompt: str | list[int], params: SamplingParams | None, tokenizer: Tokenizer | None,
-           use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str, compile_decode: bool
+           use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str, compile_decode: bool | str
            ) -> tuple[SamplingParams, list[int], LLMEngine | None, float]:
     """What `generate` and `generate_stream` do first: (params, the checked prompt ids, the engine or None, the
     start time every chunk's time counts from)."""
@@ -148,7 +148,7 @@ def _begin(model: Transformer, prompt: str | list[int], params: SamplingParams |
 
 def _engine_for(model: Transformer, ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
                 use_cache: bool, speculative: SpeculativeConfig | None, kv_cache_dtype: str = "auto",
-                compile_decode: bool = False) -> LLMEngine | None:
+                compile_decode: bool | str = False) -> LLMEngine | None:
     """The engine of chapter 05 sized for this one request, or None for the reference loop without a cache."""
     if not use_cache:
         if speculative is not None:
@@ -232,7 +232,7 @@ def generate(
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
     kv_cache_dtype: str = "auto",
-    compile_decode: bool = False,
+    compile_decode: bool | str = False,
 ) -> GenerationOutput:
     """Generate a completion of `prompt` (text, with a tokenizer, or token ids).
 
@@ -240,8 +240,10 @@ def generate(
     the model verifies them; the output follows the same distribution (at temperature 0: the same tokens),
     and `out.speculative` says how many drafts were accepted. `kv_cache_dtype` ("auto", "int8" or "fp8",
     chapter 06, `minillm.quant.kv`) is how the engine's KV cache stores keys and values. `compile_decode`
-    (a CPU only) compiles the decode step ahead of time at the first token (seconds, once per model and thread count),
-    then runs every decode step compiled: `minillm.engine.model_runner.ModelRunner`.
+    (a CPU only) runs every decode step compiled ahead of time, loaded from the cache of compiled steps or compiled
+    at the first decode step (tens of seconds, once per model, thread count and layout; `minillm compile` does it
+    ahead); "background" compiles a step the cache lacks in a process of its own and decodes eagerly meanwhile:
+    `minillm.engine.model_runner.ModelRunner`.
 
     Example:
         >>> out = generate(model, "To be", SamplingParams(temperature=0, max_tokens=20), tok)

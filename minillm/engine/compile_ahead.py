@@ -28,3 +28,33 @@ def compile_ahead(model: Transformer, kv_cache_dtype: str = "auto") -> dict[str,
         engine.run()
         steps[label] = engine.graphs.steps[rows > 1]
     return steps
+
+
+def run_job(path: str) -> None:
+    """A background compile (`minillm.engine.compiled_step.BackgroundCompile`): the step saved at `path`, compiled
+    at the thread count it was saved with, into the cache of compiled steps; the job's file is removed after."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from minillm.engine.compiled_step import decode_step_shapes
+
+    # At the lowest priority, and one compile worker: the process that started this one is decoding meanwhile,
+    # and on a small CPU a compiler at equal priority slowed its eager steps 20x (OpenMP threads waiting for cores).
+    os.nice(19)
+    torch._inductor.config.compile_threads = 1
+    job = torch.load(path, weights_only=False)  # our own file, written by the process that started this one
+    torch.set_num_threads(job["threads"])  # (the step's loops are built for the thread count it will run at)
+    args = job["args"]
+    CompiledStep(job["step"], args, decode_step_shapes(job["many"], job["max_blocks"], len(args) - 1))
+    shutil.rmtree(Path(path).parent, ignore_errors=True)  # the job and its log: the step is in the cache now
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compile a decode step saved by a background compile.")
+    parser.add_argument("--job", required=True, help="the job's file (torch.save'd by BackgroundCompile)")
+    run_job(parser.parse_args().job)

@@ -132,6 +132,10 @@ def describe_inputs(args: tuple[torch.Tensor, ...], dynamic_shapes: tuple[Any, .
     return described
 
 
+class NotCachedError(LookupError):
+    """`CompiledStep(..., cached_only=True)` found no usable entry in the cache of compiled steps."""
+
+
 class CompiledStep:
     """`module`'s forward, exported with `torch.export` and compiled ahead of time by AOTInductor, or loaded from
     the cache of compiled steps (`minillm.engine.compile_cache`) when an earlier process compiled the same step.
@@ -142,6 +146,9 @@ class CompiledStep:
         args: example arguments, all tensors (the step's inputs, then the pools).
         dynamic_shapes: for each argument of forward, {dim: torch.export.Dim} of the dimensions that may
             change between calls (a tuple of them for *args); every other size is fixed at its example's.
+
+    cached_only: load the step from the cache or raise `NotCachedError`; never compile (the engine's background
+    compile looks with it while the compile runs elsewhere).
 
     Call it with a list of tensors in the order of `args`, of the sizes `dynamic_shapes` allows: nothing
     checks them (a wrong size reads or writes out of bounds), so the caller must. Returns the module's
@@ -154,7 +161,7 @@ class CompiledStep:
     loads = 0  # how many it has loaded from the cache
 
     def __init__(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
-                 dynamic_shapes: tuple[Any, ...]) -> None:
+                 dynamic_shapes: tuple[Any, ...], cached_only: bool = False) -> None:
         start = time.perf_counter()
         configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}  # the weights: ours, given below
         lowered = reduction_dtypes()
@@ -168,6 +175,8 @@ class CompiledStep:
         name = compile_cache.entry_name(description)
         run = compile_cache.load_entry(root, name, module, description) if root is not None else None
         self.from_cache = run is not None
+        if run is None and cached_only:
+            raise NotCachedError(name)
         if run is None:
             run = self.compile(module, args, dynamic_shapes, configs, root, name, description, start)
         else:
@@ -227,41 +236,98 @@ class DecodeStep(torch.nn.Module):
         return self.model(view.tokens, view.position_ids, cache=view, last_only=True)[:, -1]
 
 
+def decode_step_shapes(many: bool, max_blocks: int, n_pools: int) -> tuple[Any, ...]:
+    """`dynamic_shapes` of `DecodeStep.forward(inputs, *pools)`: the pools' block count always; the rows' count for
+    the step of batches above 1; the tables' width where a table can span more than two blocks."""
+    blocks = torch.export.Dim("blocks", min=2)  # pools vary with the engine (generate sizes its pool)
+    rows_shape = {0: torch.export.Dim("batch", min=2)} if many else {}  # 2 .. any: 1 is the other step
+    if max_blocks > 2:  # the tables' width: the step's longest sequence
+        rows_shape[1] = torch.export.Dim("width", min=TABLE + 2, max=TABLE + max_blocks)
+    return rows_shape, tuple({0: blocks} for _ in range(n_pools))
+
+
+class BackgroundCompile:
+    """A decode step compiled by a process of its own (`python -m minillm.engine.compile_ahead --job FILE`) into the
+    cache of compiled steps, while this process decodes eagerly. The job (the step, with the model, and its example
+    inputs) is saved to a file the process reads; the process runs in a session of its own, so that it finishes
+    and keeps the step for later processes even if this one exits or is interrupted first."""
+
+    started = 0  # how many this process has started (tests and the CLI read it)
+
+    def __init__(self, step: DecodeStep, args: tuple[torch.Tensor, ...], many: bool, max_blocks: int) -> None:
+        import subprocess
+        import sys
+
+        folder = Path(tempfile.mkdtemp(prefix="minillm-compile-job-"))
+        self.job, self.log = folder / "job.pt", folder / "compile.log"
+        torch.save({"step": step, "args": args, "many": many, "max_blocks": max_blocks,
+                    "threads": torch.get_num_threads()}, self.job)
+        with open(self.log, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "minillm.engine.compile_ahead", "--job", str(self.job)],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        BackgroundCompile.started += 1
+        log.info("compiling the decode step in the background (process %d); decoding eagerly until it is done",
+                 self.process.pid)
+
+    def done(self) -> bool:
+        """Whether the process has ended (a wait of no time: called once a decode step)."""
+        return self.process.poll() is not None
+
+    def failure(self) -> str | None:
+        """None if the process succeeded, else its exit status and the end of its log."""
+        if self.process.returncode == 0:
+            return None
+        return f"status {self.process.returncode}: {self.log.read_text(errors='replace')[-1500:]}"
+
+
 class CompiledDecode(DecodeGraphs):
     """Decode steps on a CPU, run as a step compiled ahead of time over `DecodeGraphs`' fixed buffers (chapter 02).
 
     The CPU's counterpart of a CUDA graph. The step (`DecodeStep`) is pure tensor work over the input rows and the
     pools (the bookkeeping stays outside it); `torch.export` traces it once and AOTInductor compiles it to C++
-    loops and library calls (`CompiledStep`), once per process for batch 1 and once for larger batches, shared by
-    the model's engines. The block tables' width is a dynamic dimension, so attention reads only the keys the
-    step's longest sequence holds. The first step pays the compile. Same arguments as `DecodeGraphs`, without
-    `capture`.
+    loops and library calls (`CompiledStep`), once for batch 1 and once for larger batches, shared by the model's
+    engines, and kept in the cache of compiled steps for later processes. The block tables' width is a dynamic
+    dimension, so attention reads only the keys the step's longest sequence holds. Same arguments as
+    `DecodeGraphs`, without `capture`, and:
+
+    background: where the cache lacks a step, compile it in a process of its own (`BackgroundCompile`) and run
+        the same step eagerly (`DecodeStep` itself, over the same buffers) until the compiled one is in the cache;
+        without it, the first decode step waits for the compile (tens of seconds).
     """
 
-    # Compiled steps, per model: {layout: (the model's tensors then, CompiledStep)}. Each is compiled once per
-    # process, for batch 1 or for any batch above 1, and shared by every engine of the model (`generate` makes one
-    # per call) while the model's weights are the same tensors, the pools of the same layout, and the thread count
-    # the same (Inductor's loops are built for the count they were compiled under).
+    # Compiled steps, per model: {layout: (the model's tensors then, CompiledStep)}. Each is compiled (or loaded)
+    # once per process, for batch 1 or for any batch above 1, and shared by every engine of the model (`generate`
+    # makes one per call) while the model's weights are the same tensors, the pools of the same layout, and the
+    # thread count the same (Inductor's loops are built for the count they were compiled under).
     compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # Background compiles under way, per model: {layout: BackgroundCompile}.
+    background_jobs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     # The rows are the buffer cut to the step's widest table. One spare column keeps the cut narrower than a row at
     # every width: a cut of whole rows is contiguous, which the traced code treats as a case of its own, and
     # torch.export refuses a dynamic width that could reach it ("width != max").
     spare_columns = 1
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None, background: bool = False) -> None:
         super().__init__(model, cache, max_batch, max_seq_len, capture=False)
         self.pools = cache.all_pools()  # the compiled step's inputs, after the rows
         self.steps: dict[bool, Callable[[list[torch.Tensor]], torch.Tensor]] = {}  # batch > 1 -> compiled step
+        self.background = background and compile_cache.cache_root() is not None  # (a job needs the cache)
+        self.eager = self.decode_step()  # the step uncompiled, while a background compile runs
+
+    def decode_step(self) -> DecodeStep:
+        return DecodeStep(self.model, self.cache.block_size, self.cache.dtype, len(self.cache.k), self.cache.quantized)
 
     def longest_sequence(self, max_seq_len: int | None) -> int:
         """Tables as wide as the model's context whatever the pool, so that the compiled step fits every engine."""
         ctx = self.model.config.max_seq_len
         return min(max_seq_len or ctx, ctx)
 
-    def compiled_step(self, size: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def compiled_step(self, size: int) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
         """The compiled step for a batch of `size` rows (one for batch 1, one for any larger batch): found among
-        those compiled for this model, or compiled now (seconds)."""
+        those this process holds for the model, or loaded from the cache, or compiled now (tens of seconds). With
+        `background`, None while the step compiles in a process of its own."""
         many = size > 1
         if many in self.steps:
             return self.steps[many]
@@ -271,22 +337,54 @@ class CompiledDecode(DecodeGraphs):
                   tuple((pool.dtype, pool.shape[1:]) for pool in self.pools))
         known = CompiledDecode.compiled_steps.setdefault(self.model, {})
         if layout not in known or known[layout][0] != tensors:
-            inputs = self.inputs[: 2 if many else 1, : TABLE + 2]
-            blocks = torch.export.Dim("blocks", min=2)  # pools vary with the engine (generate sizes its pool)
-            rows_shape = {0: torch.export.Dim("batch", min=2)} if many else {}  # 2 .. any: 1 is the other step
-            if self.max_blocks > 2:  # the tables' width: the step's longest sequence
-                rows_shape[1] = torch.export.Dim("width", min=TABLE + 2, max=TABLE + self.max_blocks)
-            shapes = (rows_shape, tuple({0: blocks} for _ in self.pools))  # forward(inputs, *pools)
-            step = DecodeStep(self.model, self.cache.block_size, self.cache.dtype, len(self.cache.k),
-                              self.cache.quantized)
-            known[layout] = (tensors, CompiledStep(step, (inputs, *self.pools), shapes))
+            args = (self.inputs[: 2 if many else 1, : TABLE + 2], *self.pools)
+            shapes = decode_step_shapes(many, self.max_blocks, len(self.pools))
+            step = self.step_in_background(layout, args, shapes) if self.background else None
+            if step is None and self.background:
+                return None
+            known[layout] = (tensors, step or CompiledStep(self.decode_step(), args, shapes))
         self.steps[many] = known[layout][1]
         return self.steps[many]
+
+    def step_in_background(self, layout: tuple, args: tuple[torch.Tensor, ...], shapes: tuple[Any, ...]
+                           ) -> CompiledStep | None:
+        """The step from the cache if it is there, else None, with a background compile of it started (or still
+        running). A compile that failed is logged, and the background given up: the caller compiles here."""
+        jobs = CompiledDecode.background_jobs.setdefault(self.model, {})
+        job = jobs.get(layout)
+        if job is not None and not job.done():
+            return None
+        try:
+            return CompiledStep(self.decode_step(), args, shapes, cached_only=True)
+        except NotCachedError:
+            if job is None:
+                jobs[layout] = BackgroundCompile(self.decode_step(), args, layout[0], self.max_blocks)
+                return None
+            log.warning("the background compile of the decode step did not give a cached step (%s); compiling "
+                        "it in this process", job.failure() or "its entry is not in the cache")
+            self.background = False
+            return None
 
     def replay(self, size: int, width: int, n: int) -> torch.Tensor:
         """The compiled step over the rows cut to this step's widest table, so that attention reads only the keys
         it covers. Tables of one block read two (a compiled size of 1 would be fixed, not free): the second
-        column's stale block id is masked."""
+        column's stale block id is masked. While the step compiles in the background, the same step eagerly."""
         inputs = self.inputs[:size, : max(width, TABLE + 2)]
-        return self.compiled_step(size)([inputs, *self.pools])[:n]
+        step = self.compiled_step(size)
+        if step is None:
+            with leave_a_core():
+                return self.eager(inputs, *self.pools)[:n]
+        return step([inputs, *self.pools])[:n]
 
+
+@contextmanager
+def leave_a_core() -> Iterator[None]:
+    """PyTorch at one thread fewer (not below one) inside, for eager steps beside a background compile: on this
+    book's 2-core CPU, two OpenMP threads beside the compiler slowed an eager step 20x (5-8 tok/s; a thread that
+    waits for a busy core stalls the whole matmul), one thread kept it at 125-142 tok/s of 145."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

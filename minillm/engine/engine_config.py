@@ -31,7 +31,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: float | None = None
-    compile_decode: bool = False
+    compile_decode: bool | str = False  # True, "background" or False: `LLMEngine`
     tensor_parallel_size: int = 1
     lora_modules: dict[str, str | Path | object] | None = None
     max_loras: int = 4

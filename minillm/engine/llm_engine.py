@@ -152,9 +152,10 @@ class LLMEngine:
             captured too, by token bucket (`ModelRunner.verify_logits`).
         speculative: draft and verify decode tokens (`minillm.sampler.speculative.SpeculativeConfig`, chapter 07);
             `spec_stats` counts what was proposed and accepted.
-        compile_decode: on a CPU, compile the decode step ahead of time at the first decode step (`torch.export`
-            and AOTInductor: seconds to a minute), then run every decode step compiled (see `ModelRunner`). Off by
-            default.
+        compile_decode: on a CPU, run every decode step compiled ahead of time (`torch.export` and AOTInductor,
+            see `ModelRunner`): loaded from the cache of compiled steps (`minillm compile` fills it), else compiled
+            at the first decode step (tens of seconds) and kept there. "background": where the cache lacks the
+            step, compile it in a process of its own and decode eagerly until it is ready. Off by default.
         tensor_parallel_size: the ranks every layer is split across (`minillm.parallel.tensor`, chapter 08;
             vLLM's option of the same name), this process rank 0, on the CPU (gloo) or one GPU each (NCCL). The
             engine runs the group it is given as `group` and starts none: `minillm.LLM` and the server start it
@@ -265,7 +266,7 @@ class LLMEngine:
     @classmethod
     def for_one_prompt(cls, model: Transformer, tokenizer: Tokenizer | None, prompt_len: int,
                        params: SamplingParams, speculative: SpeculativeConfig | None = None,
-                       kv_cache_dtype: str = "auto", compile_decode: bool = False) -> LLMEngine:
+                       kv_cache_dtype: str = "auto", compile_decode: bool | str = False) -> LLMEngine:
         """An engine for one request of `prompt_len` tokens (what `generate`, `generate_n` and constrained
         decoding run on): the prompt in one step, and a pool of just the blocks its sequences can need
         (the prompt's once, then max_tokens plus a copy-on-write block per sequence), one for the padding

@@ -183,8 +183,9 @@ class ModelRunner:
             capture fails, the runner logs why and runs eagerly.
         no_graphs_reason: a reason of the caller's to run eagerly (the engine's: tensor parallelism).
         compile_decode: on a CPU, run decode-only forwards as a compiled step over the same fixed buffers
-            (`minillm.engine.compiled_step.CompiledDecode`): the CPU's counterpart of CUDA graphs, compiled at
-            the first decode step (seconds), then faster every step.
+            (`minillm.engine.compiled_step.CompiledDecode`): the CPU's counterpart of CUDA graphs, loaded from the
+            cache of compiled steps or compiled at the first decode step (tens of seconds), then faster every step.
+            "background": a step the cache lacks compiles in a process of its own while decode steps run eagerly.
         tp: a `ModelGroup` (tensor parallelism, chapter 08) whose rank 0 this is (`model` is then rank 0's shard):
             every forward runs on all its ranks through its `forward`.
         max_num_batched_tokens: the scheduler's token budget, the largest step the mixed-step graphs capture
@@ -198,13 +199,15 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_num_seqs: int, cuda_graphs: bool | None = None,
-                 no_graphs_reason: str | None = None, compile_decode: bool = False,
+                 no_graphs_reason: str | None = None, compile_decode: bool | str = False,
                  tp: ModelGroup | None = None, max_num_batched_tokens: int = 512, verify_tokens: int = 0) -> None:
         self.model, self.cache, self.max_num_seqs = model, cache, max_num_seqs
         self.paged_forward = paged_forward if tp is None else tp.forward
         reason = graphs_unavailable(model) or no_graphs_reason
         if cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True, but {reason}. Leave cuda_graphs unset to run eagerly.")
+        if compile_decode not in (False, True, "background"):
+            raise ValueError(f"compile_decode={compile_decode!r}: give True, False or \"background\".")
         if compile_decode and (model.device.type != "cpu" or no_graphs_reason):
             why = no_graphs_reason or f"the model is on {model.device}, where decode steps replay as CUDA graphs"
             raise ValueError(f"compile_decode=True, but {why}. compile_decode is the CPU's decode path: leave it off "
@@ -308,7 +311,8 @@ class ModelRunner:
         if self.graphs is None and self.compile_decode:
             from minillm.engine.compiled_step import CompiledDecode  # (torch.export and Inductor, when it compiles)
 
-            self.graphs = CompiledDecode(self.model, self.cache, self.max_num_seqs)
+            self.graphs = CompiledDecode(self.model, self.cache, self.max_num_seqs,
+                                         background=self.compile_decode == "background")
         if self.graphs is None and self.use_cuda_graphs:
             try:
                 self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs)

@@ -199,6 +199,34 @@ def test_a_compiled_step_is_kept_on_disk_and_checked_before_it_is_used(tmp_path)
     assert compile_reports(fifth) == ["found in the cache, loaded", "compiled"], fifth.stdout
 
 
+BACKGROUND = """
+import minillm
+from minillm.engine.compiled_step import BackgroundCompile, CompiledDecode, CompiledStep
+model, tok = minillm.load(minillm.DEFAULT_MODEL)
+params = minillm.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+eager = minillm.generate(model, "ROMEO.\\n", params, tok)
+first = minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode="background")  # eager: no waiting
+(job,) = CompiledDecode.background_jobs[model].values()
+print(first.token_ids == eager.token_ids, "started", BackgroundCompile.started, "done", job.done(),
+      "compiles", CompiledStep.compiles)
+job.process.wait(timeout=300)
+second = minillm.generate(model, "ROMEO.\\n", params, tok, compile_decode="background")
+print(second.token_ids == eager.token_ids, "exit", job.process.returncode, "loads", CompiledStep.loads,
+      "started", BackgroundCompile.started, "compiles", CompiledStep.compiles)
+"""
+
+
+def test_a_background_compile_decodes_eagerly_until_the_step_is_in_the_cache(tmp_path):
+    """compile_decode="background" on an empty cache: the first request decodes eagerly (the eager engine's tokens)
+    while a process of its own compiles the step (still running when the request is done: a compile takes tens of
+    seconds, 40 eager tokens well under one); once that process has ended, the next request loads the step from
+    the cache and decodes compiled, the same tokens, with no compile in this process."""
+    proc = run_in_own_process(BACKGROUND, tmp_path)
+    assert proc.stdout.split() == ["True", "started", "1", "done", "False", "compiles", "0",
+                                   "True", "exit", "0", "loads", "1", "started", "1", "compiles", "0"], proc.stdout
+    assert len([e for e in tmp_path.iterdir() if not e.name.startswith(".")]) == 1
+
+
 def test_the_cache_key_names_what_decides_a_compiled_step():
     """Another dtype, thread count, static input size or dynamic range is another entry; the same step, or one whose
     inputs differ only in a size that may change (the pool's blocks), is the same entry."""
