@@ -274,6 +274,8 @@ def main() -> None:
         commands["llama.cpp F32 (Python process)"] = [sys.executable, "-c", LLAMA_CPP_PROCESS,
                                                       str(ggufs["llama.cpp F32"]), str(args.tokens),
                                                       ",".join(map(str, prompt_ids))]
+    commands["python -c 'import torch' (PyTorch's start-up)"] = [sys.executable, "-c",
+                                                                 "import sys, torch; sys.stdout.write('x')"]
     processes: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for repeat in range(args.process_repeats):
         for name, command in commands.items():
