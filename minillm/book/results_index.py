@@ -60,6 +60,9 @@ CLAIMS: dict[str, dict[str, str]] = {
                                        "length, against the roofline (MBU, MFU)",
         "cpu_decode/cpu.json": "the compiled decode step on a 2-core CPU against eager and llama.cpp",
         "cpu_decode/archive/cpu_decode_cpu_ab_*": "torch.compile against ahead-of-time compilation, one run each",
+        "cpu_decode/archive/cpu_decode_cpu_amd_matvec_library.json": "the compiled step with PyTorch's products on "
+                                                                    "the AMD CPU: the kernel choice's A/B",
+        "cpu_decode/archive/cpu_decode_cpu_amd_0d1fa0c.json": "the same AMD CPU, an earlier run: how much runs vary",
         "attention/cuda.json": "Triton FlashAttention against SDPA and naive attention (H100)",
     },
     "03": {

@@ -202,8 +202,9 @@ def memory_scope() -> list[str] | None:
     return command if probe.returncode == 0 else None
 
 
-def memory_cap(memory_bytes: int = DEFAULT_MEMORY_BYTES) -> str:
-    """How a sandbox's memory is bounded on this machine, in words: what `minillm grade` prints first."""
+def memory_cap(memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int = DEFAULT_DISK_BYTES) -> str:
+    """How a sandbox of `memory_bytes` and `disk_bytes` (`Sandbox`'s) is bounded on this machine, in words: what
+    `minillm grade` prints first."""
     gib = memory_bytes / 2**30
     if memory_scope() is not None:
         return (f"memory: a cgroup v2 scope per notebook (MemoryMax {gib + MEMORY_BASELINE_BYTES / 2**30:g} GiB, "
@@ -212,7 +213,7 @@ def memory_cap(memory_bytes: int = DEFAULT_MEMORY_BYTES) -> str:
 
     return (f"memory: each notebook's address space ({gib:g} GiB past its imports); no cgroup v2 scope here "
             f"(systemd-run with cgroup v2), so memory outside it is bounded instead: refused {refused_on()}, "
-            f"files in a {DEFAULT_DISK_BYTES // 2**20} MiB tmpfs home")
+            f"files in a {disk_bytes // 2**20} MiB tmpfs home")
 
 
 INSTALL_BWRAP = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
