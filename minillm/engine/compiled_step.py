@@ -246,6 +246,9 @@ def decode_step_shapes(many: bool, max_blocks: int, n_pools: int) -> tuple[Any, 
     return rows_shape, tuple({0: blocks} for _ in range(n_pools))
 
 
+STANDIN_BLOCKS = 7  # the pools' block count in a background compile's example inputs
+
+
 class BackgroundCompile:
     """A decode step compiled by a process of its own (`python -m minillm.engine.compile_ahead --job FILE`) into the
     cache of compiled steps, while this process decodes eagerly. The job (the step, with the model, and its example
@@ -260,7 +263,12 @@ class BackgroundCompile:
 
         folder = Path(tempfile.mkdtemp(prefix="minillm-compile-job-"))
         self.job, self.log = folder / "job.pt", folder / "compile.log"
-        torch.save({"step": step, "args": args, "many": many, "max_blocks": max_blocks,
+        # The pools' block count is a dynamic size: the job gets pools of a few blocks (their shape beyond it and
+        # their dtype are what the step is compiled for), not copies of this engine's whole cache. (7: a count
+        # no other example size shares, which torch.export would take for the same size.)
+        inputs, pools = args[0], args[1:]
+        standins = tuple(pool.new_zeros((STANDIN_BLOCKS, *pool.shape[1:])) for pool in pools)
+        torch.save({"step": step, "args": (inputs, *standins), "many": many, "max_blocks": max_blocks,
                     "threads": torch.get_num_threads()}, self.job)
         with open(self.log, "wb") as log_file:
             self.process = subprocess.Popen(
