@@ -439,8 +439,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor | QuantizedPool, v: t
     S = min(mask.max_seq_len, tables.shape[1] * k.shape[1])
     # The keys and values read in fp32, whatever the pools store: one query's products are small, and PyTorch's
     # 16-bit batched products of this size are slow on a CPU (0.46 ms of a 2.6 ms compiled bf16 step of the
-    # shipped model, against 0.06 ms in fp32, on this book's AMD CPU); a compiled step fuses the widening into
-    # the gather. fp32 sums are also what a GPU's attention kernels keep.
+    # shipped model, against 0.08 ms in fp32, on this book's AMD CPU; profiled ad hoc); a compiled step fuses
+    # the widening into the gather. fp32 sums are also what a GPU's attention kernels keep.
     keys = k[tables].flatten(1, 2)[:, :S].transpose(1, 2).float()  # [B, H_kv, S, d]
     values = v[tables].flatten(1, 2)[:, :S].transpose(1, 2).float()
     visible = torch.arange(S, device=q.device)[None, :] < mask.seq_lens.long()[:, None]  # [B, S]

@@ -184,5 +184,5 @@ def store_entry(root: Path, name: str, package: Path, description: dict[str, Any
         except OSError:  # the entry exists already (another process compiled the same step): keep that one
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as error:
-        log.warning("could not keep the compiled step in %s (%s): later processes will compile it again", root,
-                    error)
+        log.warning("could not keep the compiled step in %s (%s): later processes will compile it again; set "
+                    "MINILLM_COMPILE_CACHE to a folder you can write to", root, error)

@@ -28,8 +28,10 @@ output, a sum over the inputs of x[k] * w[n, k], each weight widened to fp32 as 
 and a sum, Inductor generates that loop itself in C++ with vector instructions, reading the weights once in
 their own 16 bits: on the Intel CPU, 1.4x the tokens/s of the bf16 step through `aten.mm`. Which dtypes are
 lowered this way is chosen per CPU type (`reduction_dtypes`): on the book's AMD EPYC, whose MKL streams fp32
-weights at about 10 GB/s, fp32 is lowered too (1.7x the step's tokens/s at one thread, 2.8x at two); larger
-batches and the int8 kernel keep PyTorch's kernels everywhere.
+weights at about 9-10 GB/s, fp32 is lowered too (compiled fp32 at 0.74x / 0.94x of llama.cpp F32 at one / two
+threads in `results/cpu_decode/cpu.json`, 0.37x / 0.32x with MKL's products in
+`results/cpu_decode/archive/cpu_decode_cpu_amd_matvec_library.json`); larger batches and the int8 kernel keep
+PyTorch's kernels everywhere.
 
 Compiled steps are kept on disk (`minillm.engine.compile_cache`): a later process loads one in milliseconds.
 """
@@ -68,9 +70,9 @@ def reduction_dtypes() -> frozenset[torch.dtype]:
     """The weight dtypes whose batch-1 products the compiled step lowers as reductions Inductor generates, rather
     than calling PyTorch's library kernels (MKL's sgemv, `aten._weight_int8pack_mm`), chosen by measurement per
     CPU type. On an Intel CPU, 16-bit weights only: there MKL's fp32 product and the int8 kernel were the faster.
-    On any other (AMD), fp32 too: MKL's fp32 product streams about 10 GB/s on this book's AMD EPYC, where the
-    generated loop reads 17, and the compiled fp32 step decoded 330 tok/s against 198 through MKL (one thread);
-    the int8 kernel stays (640 tok/s against 525 lowered). `MINILLM_CPU_MATVEC=reduction` (every dtype, int8
+    On any other (AMD), fp32 too: MKL's fp32 product streams 9-10 GB/s on this book's AMD EPYC, and the compiled
+    fp32 step through it ran at half the tokens/s or less (the module's docstring cites both results files); the
+    int8 kernel stays (640 tok/s against 525 lowered, timed ad hoc). `MINILLM_CPU_MATVEC=reduction` (every dtype, int8
     included) or `=library` (none) overrides the choice, for A/B runs."""
     choice = os.environ.get(MATVEC_ENV, "auto").strip().lower()
     everything = frozenset((torch.float32, *HALF, torch.int8))  # what the override "reduction" lowers
@@ -152,9 +154,9 @@ class CompiledStep:
 
     Call it with a list of tensors in the order of `args`, of the sizes `dynamic_shapes` allows: nothing
     checks them (a wrong size reads or writes out of bounds), so the caller must. Returns the module's
-    output tensor. Compiling takes tens of seconds (35-54 s for the shipped model on this book's AMD CPU, 14-22 s
-    on its Intel one); loading a cached step, a fraction of one. `seconds` says how long this one took, and
-    `from_cache` whether it was loaded.
+    output tensor. Compiling takes tens of seconds (15-24 s for the shipped model on this book's CPUs, `compile_s`
+    in results/cpu_decode/cpu.json); loading a cached step, milliseconds (`cache_load_s`). `seconds` says how
+    long this one took, and `from_cache` whether it was loaded.
     """
 
     compiles = 0  # how many steps this process has compiled (tests count them)
@@ -323,6 +325,7 @@ class CompiledDecode(DecodeGraphs):
         self.steps: dict[bool, Callable[[list[torch.Tensor]], torch.Tensor]] = {}  # batch > 1 -> compiled step
         self.background = background and compile_cache.cache_root() is not None  # (a job needs the cache)
         self.eager = self.decode_step()  # the step uncompiled, while a background compile runs
+        self.waiting: dict[bool, BackgroundCompile] = {}  # batch > 1 -> the background compile it waits for
 
     def decode_step(self) -> DecodeStep:
         return DecodeStep(self.model, self.cache.block_size, self.cache.dtype, len(self.cache.k), self.cache.quantized)
@@ -339,6 +342,9 @@ class CompiledDecode(DecodeGraphs):
         many = size > 1
         if many in self.steps:
             return self.steps[many]
+        waiting = self.waiting.get(many)
+        if waiting is not None and not waiting.done():  # decode steps while it compiles: nothing more to look up
+            return None
         tensors = [(name, t.data_ptr(), t.dtype, t.shape) for name, t in (*self.model.named_parameters(),
                                                                            *self.model.named_buffers())]
         layout = (many, torch.get_num_threads(), self.cache.block_size, self.inputs.shape[1],
@@ -361,12 +367,14 @@ class CompiledDecode(DecodeGraphs):
         jobs = CompiledDecode.background_jobs.setdefault(self.model, {})
         job = jobs.get(layout)
         if job is not None and not job.done():
+            self.waiting[layout[0]] = job
             return None
         try:
             return CompiledStep(self.decode_step(), args, shapes, cached_only=True)
         except NotCachedError:
             if job is None:
-                jobs[layout] = BackgroundCompile(self.decode_step(), args, layout[0], self.max_blocks)
+                jobs[layout] = self.waiting[layout[0]] = BackgroundCompile(self.decode_step(), args, layout[0],
+                                                                            self.max_blocks)
                 return None
             log.warning("the background compile of the decode step did not give a cached step (%s); compiling "
                         "it in this process", job.failure() or "its entry is not in the cache")
