@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -166,3 +168,15 @@ OWN_ROPE = """def apply_rope(x, positions, theta=10000.0):
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)"""
+
+
+def run_in_own_process(script: str, cache: os.PathLike) -> subprocess.CompletedProcess:
+    """`script` in a fresh Python process at one thread, with `cache` as its cache of compiled steps. In a process
+    of its own: Inductor sets up Triton's drivers, which the Triton interpreter of other test files needs left
+    alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "MINILLM_COMPILE_CACHE": str(cache)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

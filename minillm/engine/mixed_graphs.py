@@ -2,7 +2,7 @@
 
 On CUDA a step with prompt work runs as one packed forward (`ModelRunner.forward`): every new token of the step,
 decode rows' and prompt chunks' alike, side by side in one row [1, N], attention by the paged prefill kernel reading
-the pools in place. Eagerly, that forward is several hundred kernels launched from Python, about 15 ms of the host's
+the pools in place. Eagerly, that forward is several hundred kernels launched from Python, about 12 ms of the host's
 time at Llama-3.2-1B's shape on an H200 for 3 ms of the GPU's (`results/step_shapes/cuda.json`): the mixed step is
 host-bound, as the decode step was before its graphs (`minillm.engine.cuda_graphs`).
 

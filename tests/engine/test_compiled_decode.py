@@ -3,12 +3,11 @@ tokens it produces, which must be the eager engine's."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_in_own_process
 
 import minillm
 from minillm.engine.llm_engine import LLMEngine
@@ -138,18 +137,6 @@ def test_compiled_decode_gives_the_eager_engines_tokens(tmp_path):
                                   "bf16", "True", "3", "int8", "True", "4"], \
         proc.stdout
     assert len([entry for entry in tmp_path.iterdir() if not entry.name.startswith(".")]) == 4  # one entry a step
-
-
-def run_in_own_process(script: str, cache: os.PathLike) -> subprocess.CompletedProcess:
-    """`script` in a fresh Python process at one thread, with `cache` as its cache of compiled steps. In a process
-    of its own: Inductor sets up Triton's drivers, which the Triton interpreter of other test files needs left
-    alone."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "MINILLM_COMPILE_CACHE": str(cache)}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 CACHED_STEP = """

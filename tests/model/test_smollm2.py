@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_in_own_process
 
 import minillm
 from minillm.eval.same_outputs import tie_breaks_apart
@@ -117,6 +118,29 @@ def test_engine_paths_give_the_plain_forwards_tokens(ours, one_thread):
     assert [o.token_ids for o in drafted] == plain
     stats = speculative.engine.spec_stats
     assert stats.num_steps and sum(stats.accepted_at) > 0, "the repeating prompt should have had drafts accepted"
+
+
+COMPILED_SMOLLM2 = """
+import minillm
+from minillm.tokenizer import apply_chat_template
+model, tok = minillm.load("smollm2-135m-instruct")
+params = minillm.SamplingParams(temperature=0, max_tokens=16)
+for question in ("What is the capital of France?", "Name three primary colours."):
+    prompt = apply_chat_template([{"role": "user", "content": question}], tok)
+    eager = minillm.generate(model, prompt, params, tok)
+    compiled = minillm.generate(model, prompt, params, tok, compile_decode=True)
+    print(compiled.token_ids == eager.token_ids, len(eager.token_ids))
+"""
+
+
+def test_the_compiled_cpu_step_gives_the_eager_tokens(gguf_path, tmp_path):
+    """The CPU's decode step compiled ahead of time (AOTInductor) on the real model's shapes: tied embeddings,
+    9 query and 3 KV heads of 64, 30 layers: the eager step's greedy tokens on two chat prompts (fp32). In a
+    process of its own, as tests/engine/test_compiled_decode.py runs its compiles."""
+    proc = run_in_own_process(COMPILED_SMOLLM2, tmp_path)
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert [same for same, _ in lines] == ["True", "True"], proc.stdout  # "Paris." ends at <|im_end|>: 8 tokens
+    assert all(int(n) >= 5 for _, n in lines), proc.stdout
 
 
 def test_llama_cpp_gives_the_same_greedy_text(ours, gguf_path):
