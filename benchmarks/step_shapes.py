@@ -14,6 +14,10 @@ Issue 53's measurements, one H200 (or any CUDA GPU), Llama-3.2-1B's shape with r
   paged prefill kernel reading a paged pool (`minillm.kernels.paged_prefill_attention`) and PyTorch's SDPA (the
   best of its flash, efficient and cuDNN backends, on K/V expanded to 32 heads beforehand) in TFLOP/s
   (2 T^2 d H FLOPs for causal attention).
+- `throughput_roofline_fraction`: the offline run of `benchmarks/engine_throughput.py` (256 requests, 1B shape,
+  minillm only), the step roofline's seconds over the measured ones; `throughput` holds its tok/s and seconds.
+- `speculative`: `benchmarks/speculative_controlled.py`'s 8B/1B pair (acceptance built in at alpha 0 and 0.8, k = 4,
+  batch 1 and 8) against the plain engine, with chapter 07's prediction from the GPU costs measured in the run.
 
 `--paths` runs the engine's paths for steps with prompt work, in one process, for an A/B in one lease: `graphs` (as
 the engine runs: a packed forward replayed as a CUDA graph of its token bucket), `packed` (the same forward, eager)
@@ -26,10 +30,15 @@ mask). Writes results/step_shapes/<name>.json (default cuda).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import engine_throughput
+import speculative_controlled
 import torch
 import torch.nn.functional as F
 from common import write_results
@@ -241,12 +250,41 @@ def sweep(seqlen: int, head_dim: int, heads: int = 32, kv_heads: int = 8) -> lis
     return out
 
 
+def speculative(alphas: tuple[float, ...] = (0.0, 0.8), k: int = 4, batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Speculative decoding at real sizes, the goal's rows: `benchmarks/speculative_controlled.py`'s pair (an
+    8B-shaped target scripted to accept a real 1B draft forward's proposals at a chosen alpha) run in this process,
+    against the plain engine. Each row: {shape, k, alpha (set), measured_alpha, batch, speedup, predicted (chapter
+    07's formula with the verify and draft costs measured in GPU time)}."""
+    out = Path(tempfile.mkdtemp()) / "speculative_controlled"
+    speculative_controlled.main(["--alphas", *map(str, alphas), "--ks", str(k), "--adaptive-ks",
+                                 "--batches", *map(str, batches), "--name", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    return [{"shape": "llama-3-8B target, llama-3.2-1B draft", "k": r["k"], "alpha": r["alpha"],
+             "measured_alpha": r["measured_alpha"], "batch": r["batch"], "speedup": r["speedup"],
+             "predicted": r["predicted"], "tokens_equal_plain": r["tokens_equal_plain"]} for r in rows]
+
+
+def throughput_roofline_fraction(requests: int = 256) -> dict:
+    """The offline throughput run of `benchmarks/engine_throughput.py` (256 requests of 100-1,024 tokens in and out,
+    the 1B shape), minillm only: its output tokens/s and the step roofline's share of its time."""
+    _, model = engine_throughput.random_llama_1b()
+    reqs = engine_throughput.make_requests(requests, 100, 1024, LLAMA_1B["vocab_size"])
+    engine_throughput.run_minillm(model, reqs[:16], 256, 8192)  # warm-up (kernels compiled, graphs captured)
+    run = engine_throughput.run_minillm(model, reqs, 256, 8192)
+    gpu = engine_throughput.roofline_gpu()
+    roof = engine_throughput.roofline_seconds(model.config, run["steps"], gpu)
+    return {"requests": requests, "output_tokens_per_s": run["output_tokens_per_s"], "seconds": run["seconds"],
+            "roofline_gpu": gpu, "roofline_seconds": roof, "fraction": roof / run["seconds"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--name", default="cuda")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep the paged prefill kernel's tiles")
+    parser.add_argument("--skip-speculative", action="store_true", help="leave out the 8B/1B speculative rows")
+    parser.add_argument("--skip-throughput", action="store_true", help="leave out the offline throughput run")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/step_shapes.py needs a CUDA GPU.")
@@ -279,8 +317,19 @@ def main() -> None:
             best = sorted((r for r in rows if "tflops" in r), key=lambda r: -r["tflops"])[:3]
             print("sweep", key, [(r["block_m"], r["block_n"], r["warps"], r["stages"], round(r["tflops"]))
                                  for r in best])
-    results["not_measured"] = ("speculative and throughput_roofline_fraction: issue 53's later parts (speculative "
-                               "steps on the device) are not built yet")
+    del model
+    torch.cuda.empty_cache()
+    if not args.skip_throughput:
+        results["throughput"] = throughput_roofline_fraction()
+        results["throughput_roofline_fraction"] = results["throughput"]["fraction"]
+        print(f"offline throughput: {results['throughput']['output_tokens_per_s']:,.0f} output tok/s, "
+              f"{results['throughput_roofline_fraction']:.0%} of the step roofline", flush=True)
+        torch.cuda.empty_cache()
+    if not args.skip_speculative:
+        results["speculative"] = speculative()
+        for r in results["speculative"]:
+            print(f"speculative k={r['k']} alpha={r['alpha']} batch {r['batch']}: {r['speedup']:.2f}x "
+                  f"(predicted {r['predicted'] or float('nan'):.2f}x)", flush=True)
     print(write_results(f"step_shapes/{args.name}", results))
 
 
