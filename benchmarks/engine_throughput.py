@@ -172,6 +172,18 @@ def run_hf(hf, requests, batch: int) -> dict:  # noqa: ANN001
     return {"seconds": seconds, "output_tokens": n_out, "output_tokens_per_s": n_out / seconds, "first_tokens": first}
 
 
+def warm_run_with_roofline(model, requests, max_num_seqs: int, budget: int) -> tuple[dict, str, float]:  # noqa: ANN001
+    """`run_minillm` timed after a warm-up on the whole workload, and the step roofline's seconds for its steps:
+    (the run, the GPU the roofline is for, roofline seconds). The warm-up is the whole workload because after one
+    on 8 requests the first full run was about 25% slower than later ones (kernels compiled for shapes the small
+    warm-up did not reach; results/engine_throughput_ab/cuda_async.json), and
+    results/engine_throughput/archive/engine_throughput_cuda_h200.json was measured that way."""
+    run_minillm(model, requests, max_num_seqs, budget)
+    ours = run_minillm(model, requests, max_num_seqs, budget)
+    gpu = roofline_gpu()
+    return ours, gpu, roofline_seconds(model.config, ours["steps"], gpu)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser)
@@ -183,14 +195,7 @@ def main() -> None:
         sys.exit("benchmarks/engine_throughput.py needs a CUDA GPU.")
     hf, model = random_llama_1b()
     requests = make_requests(args.num_requests, args.min_len, args.max_len, LLAMA_1B["vocab_size"])
-    # Warm-up: the whole workload once, untimed. After a warm-up on 8 requests, the first full run was about 25%
-    # slower than later ones (kernels compiled for shapes the small warm-up did not reach;
-    # results/engine_throughput_ab/cuda_async.json), and
-    # results/engine_throughput/archive/engine_throughput_cuda_h200.json was measured that way.
-    run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
-    ours = run_minillm(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
-    gpu = roofline_gpu()
-    roof = roofline_seconds(model.config, ours["steps"], gpu)
+    ours, gpu, roof = warm_run_with_roofline(model, requests, args.max_num_seqs, args.max_num_batched_tokens)
     print(f"minillm: {ours['output_tokens_per_s']:.0f} output tok/s ({ours['seconds']:.1f} s, {len(ours['steps'])} "
           f"steps); roofline {roof:.1f} s = {roof / ours['seconds']:.0%} of the measured time", flush=True)
     hf_rows = {}

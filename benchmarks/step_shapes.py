@@ -266,13 +266,11 @@ def speculative(alphas: tuple[float, ...] = (0.0, 0.8), k: int = 4, batches: tup
 
 def throughput_roofline_fraction(requests: int = 256) -> dict:
     """The offline throughput run of `benchmarks/engine_throughput.py` (256 requests of 100-1,024 tokens in and out,
-    the 1B shape), minillm only: its output tokens/s and the step roofline's share of its time."""
+    the 1B shape, its warm-up and roofline), minillm only: its output tokens/s and the step roofline's share of its
+    time."""
     _, model = engine_throughput.random_llama_1b()
     reqs = engine_throughput.make_requests(requests, 100, 1024, LLAMA_1B["vocab_size"])
-    engine_throughput.run_minillm(model, reqs[:16], 256, 8192)  # warm-up (kernels compiled, graphs captured)
-    run = engine_throughput.run_minillm(model, reqs, 256, 8192)
-    gpu = engine_throughput.roofline_gpu()
-    roof = engine_throughput.roofline_seconds(model.config, run["steps"], gpu)
+    run, gpu, roof = engine_throughput.warm_run_with_roofline(model, reqs, 256, 8192)
     return {"requests": requests, "output_tokens_per_s": run["output_tokens_per_s"], "seconds": run["seconds"],
             "roofline_gpu": gpu, "roofline_seconds": roof, "fraction": roof / run["seconds"]}
 
